@@ -1,0 +1,53 @@
+"""`zerodram` console script: one argparse tree, one module per subcommand.
+
+Each command module exposes `register(subparsers)`, which adds its parser and sets
+`func=<callable(args) -> int>` on it. Modules are imported only when the CLI starts, and heavy
+imports (torch, cuda) stay inside the command functions so that `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from zerodram.runtime import __version__
+from zerodram.runtime.errors import ZerodramError
+
+# Order here is the order in `zerodram --help`.
+COMMAND_MODULES = [
+    "zerodram.launch.topo_cmd",  # topo check / topo show
+    "zerodram.launch.launcher",  # launch: derive torchrun's arguments from a topology
+    "zerodram.launch.worker",  # worker: what torchrun runs on every rank
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zerodram",
+        description="Expert-parallel MoE serving runtime with an FP2 KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"zerodram {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ZerodramError as err:
+        print(f"zerodram: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

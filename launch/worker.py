@@ -1,0 +1,67 @@
+"""What torchrun runs on every rank: `python -m zerodram.launch.worker JOB [ARGS...]`.
+
+The worker builds the rank context (torchrun's environment + the topology named by
+ZERODRAM_TOPOLOGY), runs one job from `JOBS`, and always tears the context down. A job is
+`fn(ctx: RankContext, argv: list[str]) -> int`; it lives in `zerodram.runtime` (thin launcher,
+fat library). Only rank 0 prints unless a job says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from zerodram.runtime.errors import ZerodramError
+
+# name -> "module:function". Add a job with one line.
+JOBS = {
+    "smoke": "zerodram.runtime.smoke:run",
+}
+
+
+def run_job(job: str, argv: list[str]) -> int:
+    """Run `job` in this process as one rank of a torchrun job; returns its exit code."""
+    from zerodram.runtime.context import RankContext
+    from zerodram.runtime.envs import ENVS
+    from zerodram.runtime.topology import load_topology, resolve_topology_path
+
+    if job not in JOBS:
+        raise ZerodramError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
+    module, fn = JOBS[job].split(":")
+    target = getattr(importlib.import_module(module), fn)
+    topo_name = ENVS.TOPOLOGY.get()
+    topology = load_topology(resolve_topology_path(topo_name)) if topo_name else None
+    with RankContext.create(topology) as ctx:
+        return int(target(ctx, argv) or 0)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    return run_job(args.job, args.job_args)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="run one job as a rank of a torchrun job (what `zerodram launch` starts)",
+        description="Run JOB as one rank; torchrun's environment and ZERODRAM_TOPOLOGY say which.",
+    )
+    p.add_argument("job", choices=sorted(JOBS), help="the job to run")
+    p.add_argument("job_args", nargs=argparse.REMAINDER, help="arguments passed to the job")
+    p.set_defaults(func=_cmd)
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(f"usage: python -m zerodram.launch.worker JOB [ARGS]; jobs: {', '.join(JOBS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_job(sys.argv[1], sys.argv[2:])
+    except ZerodramError as err:
+        print(f"zerodram worker: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The environment variables zerodram reads, in one typed registry.
+
+Nothing else in the package calls `os.environ` directly: add a variable here, with its type,
+default and meaning, and read it through `ENVS.<name>.get()`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from zerodram.runtime.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    kind: type
+    default: T | None
+    doc: str
+
+    def get(self) -> T | None:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            if self.kind is bool:
+                if raw.lower() in ("1", "true", "yes", "on"):
+                    return True  # type: ignore[return-value]
+                if raw.lower() in ("0", "false", "no", "off"):
+                    return False  # type: ignore[return-value]
+                raise ValueError(raw)
+            return self.kind(raw)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {self.name}={raw!r} is not a valid {self.kind.__name__}"
+            ) from None
+
+    def require(self) -> T:
+        value = self.get()
+        if value is None:
+            raise ConfigError(f"environment variable {self.name} is not set ({self.doc})")
+        return value
+
+
+def _default_cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "zerodram" if xdg else Path.home() / ".cache" / "zerodram"
+
+
+class _Registry:
+    # --- set by torchrun (or by tests/multirank.py, which mimics it) ---
+    RANK = EnvVar("RANK", int, None, "global rank, set by torchrun")
+    LOCAL_RANK = EnvVar("LOCAL_RANK", int, None, "rank within the node, set by torchrun")
+    WORLD_SIZE = EnvVar("WORLD_SIZE", int, None, "number of ranks, set by torchrun")
+    LOCAL_WORLD_SIZE = EnvVar("LOCAL_WORLD_SIZE", int, None, "ranks on this node, set by torchrun")
+    GROUP_RANK = EnvVar("GROUP_RANK", int, None, "node index, set by torchrun")
+    MASTER_ADDR = EnvVar("MASTER_ADDR", str, None, "rendezvous host, set by torchrun")
+    MASTER_PORT = EnvVar("MASTER_PORT", int, None, "rendezvous port, set by torchrun")
+    # --- zerodram's own ---
+    TOPOLOGY = EnvVar(
+        "ZERODRAM_TOPOLOGY", str, None, "topology file a worker loads (set by `zerodram launch`)"
+    )
+    CACHE_DIR = EnvVar("ZERODRAM_CACHE_DIR", Path, _default_cache_dir(), "kernel cache folder")
+    KEEP_KERNEL_SOURCE = EnvVar(
+        "ZERODRAM_KEEP_KERNEL_SOURCE",
+        bool,
+        False,
+        "write the preprocessed source and PTX next to each cached cubin, for inspection",
+    )
+    WAIT_TIMEOUT_S = EnvVar(
+        "ZERODRAM_WAIT_TIMEOUT_S", float, 60.0, "bound on every cross-rank wait, host or device"
+    )
+    FORCE_CPU = EnvVar("ZERODRAM_FORCE_CPU", bool, False, "ignore GPUs even when present")
+
+    def all(self) -> list[EnvVar]:
+        return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
+
+
+ENVS = _Registry()

@@ -1,0 +1,1 @@
+"""Topology (placeholder until the module lands)."""

@@ -1,0 +1,68 @@
+"""The multi-rank launcher itself: results come back, failures and hangs are reported, not hidden."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import RankFailed, run_ranks
+
+from zerodram.runtime.context import RankContext
+from zerodram.runtime.errors import RankTimeoutError
+
+pytestmark = pytest.mark.slow
+
+
+def _sum_ranks(ctx: RankContext) -> tuple[int, int, float]:
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x)
+    print("hello from the worker")
+    return ctx.rank, ctx.world_size, x.item()
+
+
+def _raise_on_rank_one(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        raise ValueError("rank one is unhappy")
+    time.sleep(0.2)
+
+
+def _hang_on_rank_zero(ctx: RankContext) -> None:
+    if ctx.rank == 0:
+        time.sleep(60)
+
+
+def _skip_barrier_on_rank_one(ctx: RankContext) -> str:
+    if ctx.rank == 1:
+        time.sleep(4)  # never arrives in time
+        return "skipped"
+    try:
+        ctx.barrier("test step")
+    except RankTimeoutError as err:
+        return str(err)
+    return "no timeout"
+
+
+def test_results_come_back_in_rank_order(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_ranks(_sum_ranks, 3) == [(0, 3, 3.0), (1, 3, 3.0), (2, 3, 3.0)]
+    assert "[rank 2] hello from the worker" in capfd.readouterr().out
+
+
+def test_a_rank_exception_names_the_rank() -> None:
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 raised:\nValueError: rank one is unhappy"):
+        run_ranks(_raise_on_rank_one, 2)
+
+
+def test_a_hang_is_reported_with_the_waiting_ranks() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match=r"ranks \[0\] of 2 did not finish within 5s"):
+        run_ranks(_hang_on_rank_zero, 2, timeout_s=5)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_missing_rank_times_out_a_barrier_by_name() -> None:
+    out = run_ranks(_skip_barrier_on_rank_one, 2, rank_timeout_s=1.5)
+    assert out[1] == "skipped"
+    assert "rank 0/2 waited 1.5s at barrier 'test step'" in out[0]
+    assert "Rank 1 failed to pass" in out[0]  # gloo's monitored barrier names the missing rank

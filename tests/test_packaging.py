@@ -1,0 +1,61 @@
+"""The package layout: every sub-package is declared, kernel sources ship, every command has help."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from zerodram.launch.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = {"runtime": "zerodram.runtime", "launch": "zerodram.launch", "kernels": "zerodram.kernels",
+          "topologies": "zerodram.topologies"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_subpackage_is_listed() -> None:
+    declared = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, prefix in MAPPED.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([prefix, *rel.parts]))
+    assert found - declared == set(), "sub-packages missing from pyproject.toml [tool.setuptools]"
+    assert declared - found == set(), "pyproject.toml lists packages that do not exist"
+
+
+def test_kernel_sources_ship_as_package_data() -> None:
+    data = _pyproject()["tool"]["setuptools"]["package-data"]["zerodram.kernels"]
+    assert "cuda/*.cu" in data
+    assert "cuda/*.cuh" in data
+    assert list((ROOT / "kernels" / "cuda").glob("*.cu")), "no kernel sources"
+
+
+def _subcommands() -> list[list[str]]:
+    parser = build_parser()
+    out = []
+    for action in parser._subparsers._group_actions:  # argparse keeps no public accessor
+        for name, sub in action.choices.items():
+            out.append([name])
+            for inner in getattr(sub, "_subparsers", None)._group_actions if sub._subparsers else []:
+                out.extend([name, n] for n in inner.choices)
+    return out
+
+
+@pytest.mark.parametrize("argv", _subcommands(), ids=" ".join)
+def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "zerodram" in capsys.readouterr().out
