@@ -1,0 +1,106 @@
+"""`zerodram launch` derives torchrun's arguments from a topology and really runs the ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from multirank import free_port, run_ranks
+
+from zerodram.launch.cli import main
+from zerodram.launch.launcher import plan_launch
+from zerodram.runtime import smoke
+from zerodram.runtime.context import TorchrunEnv, check_world
+from zerodram.runtime.errors import ConfigError, WorldMismatchError
+from zerodram.runtime.topology import load_topology, resolve_topology_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plan_for_two_nodes() -> None:
+    plan = plan_launch("hgx-h100-2x8", node_rank=1, master_port=None, job=["smoke"])
+    argv = plan.torchrun_argv()
+    assert "--nnodes=2" in argv
+    assert "--nproc-per-node=8" in argv
+    assert "--node-rank=1" in argv
+    assert argv[-3:] == ["-m", "zerodram.launch.worker", "smoke"]
+    assert "--node-rank 0" in plan.command_for_node(0)
+
+
+def test_dry_run_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--topology", "hgx-h100-2x8", "--dry-run", "--", "smoke"]) == 0
+    err = capsys.readouterr().err
+    assert "node 0:" in err
+    assert "node 1: zerodram launch" in err
+    assert "--nproc-per-node=8" in err
+
+
+def test_node_rank_outside_topology_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--topology", "local-cpu-4", "--node-rank", "3", "--dry-run",
+                 "--", "smoke"]) == 2
+    assert "outside the topology's 1 node" in capsys.readouterr().err
+
+
+def test_missing_job_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="no job given"):
+        plan_launch("local-cpu-4", 0, None, [])
+
+
+def _env(rank: int, world: int, local_world: int | None = None, node: int = 0) -> TorchrunEnv:
+    return TorchrunEnv(rank=rank, local_rank=rank % (local_world or world), world_size=world,
+                       local_world_size=local_world or world, node_rank=node,
+                       master_addr="127.0.0.1", master_port=1)
+
+
+def test_world_size_mismatch_names_both_numbers() -> None:
+    topo = load_topology(resolve_topology_path("local-cpu-4"))
+    with pytest.raises(WorldMismatchError, match=r"local-cpu-4.yaml has 4 ranks, torchrun started 2"):
+        check_world(topo, _env(0, 2))
+
+
+def test_ranks_per_node_mismatch_names_both_numbers() -> None:
+    topo = load_topology(resolve_topology_path("hgx-h100-2x8"))
+    with pytest.raises(WorldMismatchError, match=r"8 ranks per node, torchrun started 4"):
+        check_world(topo, _env(0, 16, local_world=4))
+
+
+def test_not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="not started by torchrun"):
+        TorchrunEnv.from_environ()
+
+
+def _smoke(ctx) -> int:  # noqa: ANN001 (RankContext)
+    return smoke.run(ctx, [])
+
+
+@pytest.mark.slow
+def test_smoke_job_on_the_harness() -> None:
+    topo = load_topology(resolve_topology_path("local-cpu-4"))
+    assert run_ranks(_smoke, 4, topology=topo) == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_real_torchrun_end_to_end() -> None:
+    """The README's path: `zerodram launch` execs torchrun, which starts 4 CPU ranks."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ZERODRAM_WAIT_TIMEOUT_S="60")
+    cmd = [sys.executable, "-m", "zerodram.launch.cli", "launch", "--topology", "local-cpu-4",
+           "--master-port", str(free_port()), "--", "smoke"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "smoke ok: local-cpu-4: 4 ranks on cpu (gloo)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_real_torchrun_world_mismatch_fails_fast() -> None:
+    """torchrun started with the wrong number of ranks: every rank exits 2 naming both numbers."""
+    env = dict(os.environ, ZERODRAM_TOPOLOGY="local-cpu-4")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           f"--master-port={free_port()}", "-m", "zerodram.launch.worker", "smoke"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "has 4 ranks, torchrun started 2" in proc.stdout + proc.stderr
