@@ -89,8 +89,11 @@ def _header_dirs(nvshmem: bool) -> tuple[str, ...]:
         else:
             why = None
         if found is None or found.found_via != "site-packages":
-            pkg = {"cudart": "cuda-toolkit[cudart]", "cccl": "cuda-toolkit[cudart]",
-                   "nvshmem": "nvidia-nvshmem-cu13"}[name]
+            pkg = {
+                "cudart": "cuda-toolkit[cudart]",
+                "cccl": "cuda-toolkit[cudart]",
+                "nvshmem": "nvidia-nvshmem-cu13",
+            }[name]
             where = f" (found only via {found.found_via}: {found.abs_path})" if found else ""
             raise KernelBuildError(
                 f"CUDA headers '{name}' not installed from pip{where}{': ' + str(why) if why else ''}; "
@@ -102,9 +105,8 @@ def _header_dirs(nvshmem: bool) -> tuple[str, ...]:
 
 @cache
 def compiler_version() -> str:
-    from cuda.bindings import nvrtc
-
     import cuda.core
+    from cuda.bindings import nvrtc
 
     _, major, minor = nvrtc.nvrtcVersion()
     return f"nvrtc-{major}.{minor}+cuda.core-{cuda.core.__version__}"

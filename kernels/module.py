@@ -76,8 +76,9 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def launch(kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-           shared_mem: int = 0) -> None:
+def launch(
+    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+) -> None:
     """Launch `kernel` on torch's current stream (asynchronous)."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch

@@ -32,24 +32,37 @@ class LaunchPlan:
 
     def torchrun_argv(self) -> list[str]:
         return [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             f"--nnodes={self.num_nodes}",
             f"--nproc-per-node={self.ranks_per_node}",
             f"--node-rank={self.node_rank}",
             f"--master-addr={self.master_addr}",
             f"--master-port={self.master_port}",
-            "-m", "zerodram.launch.worker", *self.job,
+            "-m",
+            "zerodram.launch.worker",
+            *self.job,
         ]
 
     def command_for_node(self, node_rank: int) -> str:
-        return shlex.join([
-            "zerodram", "launch", "--topology", self.topology_path, "--node-rank", str(node_rank),
-            "--master-port", str(self.master_port), "--", *self.job,
-        ])
+        return shlex.join(
+            [
+                "zerodram",
+                "launch",
+                "--topology",
+                self.topology_path,
+                "--node-rank",
+                str(node_rank),
+                "--master-port",
+                str(self.master_port),
+                "--",
+                *self.job,
+            ]
+        )
 
 
-def plan_launch(topology_arg: str, node_rank: int, master_port: int | None,
-                job: list[str]) -> LaunchPlan:
+def plan_launch(topology_arg: str, node_rank: int, master_port: int | None, job: list[str]) -> LaunchPlan:
     """Load the topology and build the plan. Raises ConfigError on bad input."""
     from zerodram.runtime.topology import load_topology, resolve_topology_path
 

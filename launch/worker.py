@@ -53,8 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main() -> int:
     if len(sys.argv) < 2:
-        print(f"usage: python -m zerodram.launch.worker JOB [ARGS]; jobs: {', '.join(JOBS)}",
-              file=sys.stderr)
+        print(f"usage: python -m zerodram.launch.worker JOB [ARGS]; jobs: {', '.join(JOBS)}", file=sys.stderr)
         return 2
     try:
         return run_job(sys.argv[1], sys.argv[2:])

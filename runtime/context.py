@@ -37,8 +37,11 @@ class TorchrunEnv:
 
     @classmethod
     def from_environ(cls) -> TorchrunEnv:
-        missing = [v.name for v in (ENVS.RANK, ENVS.WORLD_SIZE, ENVS.MASTER_ADDR, ENVS.MASTER_PORT)
-                   if v.get() is None]
+        missing = [
+            v.name
+            for v in (ENVS.RANK, ENVS.WORLD_SIZE, ENVS.MASTER_ADDR, ENVS.MASTER_PORT)
+            if v.get() is None
+        ]
         if missing:
             raise ConfigError(
                 f"not started by torchrun: {', '.join(missing)} unset "
@@ -91,8 +94,14 @@ class RankContext:
         timeout_s: the bound on every host-side cross-rank wait.
     """
 
-    def __init__(self, env: TorchrunEnv, device: torch.device, backend: str,
-                 topology: Topology | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        env: TorchrunEnv,
+        device: torch.device,
+        backend: str,
+        topology: Topology | None,
+        timeout_s: float,
+    ) -> None:
         self.env = env
         self.rank = env.rank
         self.world_size = env.world_size
@@ -105,8 +114,9 @@ class RankContext:
         self._closed = False
 
     @classmethod
-    def create(cls, topology: Topology | None = None, *, device: str | None = None,
-               timeout_s: float | None = None) -> RankContext:
+    def create(
+        cls, topology: Topology | None = None, *, device: str | None = None, timeout_s: float | None = None
+    ) -> RankContext:
         """Initialise torch.distributed for this process.
 
         Args:
@@ -137,9 +147,11 @@ class RankContext:
                 gpu = topology.rank_spec(env.rank).gpu_idx
             dev = torch.device("cuda", gpu)
             torch.cuda.set_device(dev)
-            shared_gpu = topology is not None and len(
-                {r.gpu_idx for r in topology.ranks if r.node_idx == env.node_rank}
-            ) < topology.ranks_per_node
+            shared_gpu = (
+                topology is not None
+                and len({r.gpu_idx for r in topology.ranks if r.node_idx == env.node_rank})
+                < topology.ranks_per_node
+            )
             backend = "gloo" if shared_gpu else "nccl"
         else:
             dev = torch.device("cpu")
@@ -186,11 +198,12 @@ class RankContext:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"RankContext(rank={self.rank}/{self.world_size}, node={self.node_rank}, "
-                f"device={self.device}, backend={self.backend})")
+        return (
+            f"RankContext(rank={self.rank}/{self.world_size}, node={self.node_rank}, "
+            f"device={self.device}, backend={self.backend})"
+        )
 
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-

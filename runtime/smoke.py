@@ -52,6 +52,8 @@ def run(ctx: RankContext, argv: list[str]) -> int:
     if rank == 0:
         name = ctx.topology.name if ctx.topology is not None else "ad-hoc"
         ms = (time.perf_counter() - t0) * 1e3
-        print(f"smoke ok: {name}: {n} ranks on {ctx.device.type} ({ctx.backend}), all-reduce ok, "
-              f"ring of {len(steps)} steps ok, {ms:.0f} ms")
+        print(
+            f"smoke ok: {name}: {n} ranks on {ctx.device.type} ({ctx.backend}), all-reduce ok, "
+            f"ring of {len(steps)} steps ok, {ms:.0f} ms"
+        )
     return 0

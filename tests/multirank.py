@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-class RankFailed(AssertionError):
+class RankFailedError(AssertionError):
     """A rank raised, or the ranks timed out."""
 
 
@@ -57,14 +57,28 @@ class _Prefixed:
         return getattr(self._stream, name)
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, kwargs: dict,
-           env: dict[str, str], results: mp.Queue) -> None:
+def _child(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    kwargs: dict,
+    env: dict[str, str],
+    results: mp.Queue,
+) -> None:
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     sys.stdout = _Prefixed(sys.stdout, f"[rank {rank}] ")
     sys.stderr = _Prefixed(sys.stderr, f"[rank {rank}] ")
     from zerodram.runtime.context import RankContext
@@ -72,8 +86,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, kwa
     ctx = None
     try:
         topology = kwargs.pop("topology", None)
-        ctx = RankContext.create(topology, device=kwargs.pop("device", None),
-                                 timeout_s=kwargs.pop("timeout_s", None))
+        ctx = RankContext.create(
+            topology, device=kwargs.pop("device", None), timeout_s=kwargs.pop("timeout_s", None)
+        )
         value = fn(ctx, *args, **kwargs)
         results.put((rank, True, value))
     except BaseException as err:  # report everything, including SystemExit from a worker
@@ -85,8 +100,15 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, kwa
         sys.stderr.flush()
 
 
-def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `fn(ctx, *args, **kwargs)` on `world_size` ranks; return the per-rank results.
 
     Keyword arguments `topology`, `device` and `timeout_s`-of-the-context are consumed by the
@@ -94,7 +116,7 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: flo
     context's collective timeout (default: ZERODRAM_WAIT_TIMEOUT_S).
 
     Raises:
-        RankFailed: a rank raised (its traceback is in the message) or `timeout_s` expired.
+        RankFailedError: a rank raised (its traceback is in the message) or `timeout_s` expired.
     """
     if "rank_timeout_s" in kwargs:
         kwargs["timeout_s"] = kwargs.pop("rank_timeout_s")
@@ -102,8 +124,11 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: flo
     results: mp.Queue = ctx_mp.Queue()
     port = free_port()
     procs = [
-        ctx_mp.Process(target=_child, name=f"rank{r}",
-                       args=(fn, r, world_size, port, args, dict(kwargs), env or {}, results))
+        ctx_mp.Process(
+            target=_child,
+            name=f"rank{r}",
+            args=(fn, r, world_size, port, args, dict(kwargs), env or {}, results),
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -115,7 +140,7 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: flo
             left = deadline - time.monotonic()
             if left <= 0:
                 waiting = sorted(set(range(world_size)) - set(got))
-                raise RankFailed(
+                raise RankFailedError(
                     f"ranks {waiting} of {world_size} did not finish within {timeout_s:.0f}s"
                 )
             try:
@@ -124,12 +149,10 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: flo
                 if not ok:
                     break  # fail fast: the first rank to raise is the root cause, usually
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in got and p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
                 if dead:
-                    raise RankFailed(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
-                        "without reporting"
+                    raise RankFailedError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting"
                     ) from None
     finally:
         for p in procs:
@@ -140,5 +163,5 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), *, timeout_s: flo
     failures = [(r, v) for r, (ok, v) in sorted(got.items()) if not ok]
     if failures:
         rank, tb = failures[0]
-        raise RankFailed(f"rank {rank} of {world_size} raised:\n{tb}")
+        raise RankFailedError(f"rank {rank} of {world_size} raised:\n{tb}")
     return [got[r][1] for r in range(world_size)]

@@ -44,12 +44,12 @@ def test_keep_source_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_missing_kernel_names_the_alternatives() -> None:
-    with pytest.raises(KernelBuildError, match="no kernel source.*smoke"):
+    with pytest.raises(KernelBuildError, match=r"no kernel source.*smoke"):
         compile_cubin("does_not_exist")
 
 
 def test_compile_error_carries_nvrtc_log() -> None:
-    with pytest.raises(KernelBuildError, match="ZD_SMOKE_MULT|error"):
+    with pytest.raises(KernelBuildError, match=r"NVRTC failed on smoke.cu"):
         compile_cubin("smoke", BuildOptions.make(defines={"ZD_SMOKE_MULT": "not_a_number"}))
 
 
@@ -87,8 +87,9 @@ def test_smoke_kernel_runs_on_gpu() -> None:
     n, seed = 100_003, 0xDEADBEEF
     out = torch.full((n,), 0xFFFFFFFF, dtype=torch.int64, device="cuda").to(torch.uint32)
     mod = load_module("smoke")
-    launch(mod.kernel("fill_pattern"), grid=(64,), block=(256,),
-           args=(ptr(out), np.int32(n), np.uint32(seed)))
+    launch(
+        mod.kernel("fill_pattern"), grid=(64,), block=(256,), args=(ptr(out), np.int32(n), np.uint32(seed))
+    )
     torch.cuda.synchronize()
     i = torch.arange(n, dtype=torch.int64)
     expected = ((i * 2654435761) & 0xFFFFFFFF) ^ seed

@@ -39,8 +39,7 @@ def test_dry_run_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_node_rank_outside_topology_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "--topology", "local-cpu-4", "--node-rank", "3", "--dry-run",
-                 "--", "smoke"]) == 2
+    assert main(["launch", "--topology", "local-cpu-4", "--node-rank", "3", "--dry-run", "--", "smoke"]) == 2
     assert "outside the topology's 1 node" in capsys.readouterr().err
 
 
@@ -50,9 +49,15 @@ def test_missing_job_is_an_error() -> None:
 
 
 def _env(rank: int, world: int, local_world: int | None = None, node: int = 0) -> TorchrunEnv:
-    return TorchrunEnv(rank=rank, local_rank=rank % (local_world or world), world_size=world,
-                       local_world_size=local_world or world, node_rank=node,
-                       master_addr="127.0.0.1", master_port=1)
+    return TorchrunEnv(
+        rank=rank,
+        local_rank=rank % (local_world or world),
+        world_size=world,
+        local_world_size=local_world or world,
+        node_rank=node,
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
 
 
 def test_world_size_mismatch_names_both_numbers() -> None:
@@ -74,7 +79,7 @@ def test_not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
         TorchrunEnv.from_environ()
 
 
-def _smoke(ctx) -> int:  # noqa: ANN001 (RankContext)
+def _smoke(ctx) -> int:
     return smoke.run(ctx, [])
 
 
@@ -88,8 +93,18 @@ def test_smoke_job_on_the_harness() -> None:
 def test_real_torchrun_end_to_end() -> None:
     """The README's path: `zerodram launch` execs torchrun, which starts 4 CPU ranks."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", ZERODRAM_WAIT_TIMEOUT_S="60")
-    cmd = [sys.executable, "-m", "zerodram.launch.cli", "launch", "--topology", "local-cpu-4",
-           "--master-port", str(free_port()), "--", "smoke"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerodram.launch.cli",
+        "launch",
+        "--topology",
+        "local-cpu-4",
+        "--master-port",
+        str(free_port()),
+        "--",
+        "smoke",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke ok: local-cpu-4: 4 ranks on cpu (gloo)" in proc.stdout
@@ -99,8 +114,17 @@ def test_real_torchrun_end_to_end() -> None:
 def test_real_torchrun_world_mismatch_fails_fast() -> None:
     """torchrun started with the wrong number of ranks: every rank exits 2 naming both numbers."""
     env = dict(os.environ, ZERODRAM_TOPOLOGY="local-cpu-4")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-           f"--master-port={free_port()}", "-m", "zerodram.launch.worker", "smoke"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "zerodram.launch.worker",
+        "smoke",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "has 4 ranks, torchrun started 2" in proc.stdout + proc.stderr

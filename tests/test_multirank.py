@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import RankFailed, run_ranks
+from multirank import RankFailedError, run_ranks
 
 from zerodram.runtime.context import RankContext
 from zerodram.runtime.errors import RankTimeoutError
@@ -50,13 +50,13 @@ def test_results_come_back_in_rank_order(capfd: pytest.CaptureFixture[str]) -> N
 
 
 def test_a_rank_exception_names_the_rank() -> None:
-    with pytest.raises(RankFailed, match=r"rank 1 of 2 raised:\nValueError: rank one is unhappy"):
+    with pytest.raises(RankFailedError, match=r"rank 1 of 2 raised:\nValueError: rank one is unhappy"):
         run_ranks(_raise_on_rank_one, 2)
 
 
 def test_a_hang_is_reported_with_the_waiting_ranks() -> None:
     t0 = time.monotonic()
-    with pytest.raises(RankFailed, match=r"ranks \[0\] of 2 did not finish within 5s"):
+    with pytest.raises(RankFailedError, match=r"ranks \[0\] of 2 did not finish within 5s"):
         run_ranks(_hang_on_rank_zero, 2, timeout_s=5)
     assert time.monotonic() - t0 < 30
 

@@ -10,8 +10,12 @@ import pytest
 from zerodram.launch.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"runtime": "zerodram.runtime", "launch": "zerodram.launch", "kernels": "zerodram.kernels",
-          "topologies": "zerodram.topologies"}
+MAPPED = {
+    "runtime": "zerodram.runtime",
+    "launch": "zerodram.launch",
+    "kernels": "zerodram.kernels",
+    "topologies": "zerodram.topologies",
+}
 
 
 def _pyproject() -> dict:
