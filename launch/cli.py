@@ -19,6 +19,10 @@ COMMAND_MODULES = [
     "zerodram.launch.topo_cmd",  # topo check / topo show
     "zerodram.launch.launcher",  # launch: derive torchrun's arguments from a topology
     "zerodram.launch.worker",  # worker: what torchrun runs on every rank
+    "zerodram.launch.demo_cmd",  # demo: the packaged SmolLM2 as experts on local ranks
+    "zerodram.launch.generate_cmd",  # generate: one process, prompts in, text out
+    "zerodram.launch.serve_cmd",  # serve: JSON-lines server on a topology's ranks
+    "zerodram.launch.bench_cmd",  # bench dispatch (attention, decode: one line each in bench_cmd)
 ]
 
 

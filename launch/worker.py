@@ -17,6 +17,8 @@ from zerodram.runtime.errors import ZerodramError
 # name -> "module:function". Add a job with one line.
 JOBS = {
     "smoke": "zerodram.runtime.smoke:run",
+    "serve": "zerodram.runtime.engine.jobs:serve",
+    "demo": "zerodram.runtime.engine.demo:run_demo",
 }
 
 

@@ -76,6 +76,17 @@ class _Registry:
         "ZERODRAM_WAIT_TIMEOUT_S", float, 60.0, "bound on every cross-rank wait, host or device"
     )
     FORCE_CPU = EnvVar("ZERODRAM_FORCE_CPU", bool, False, "ignore GPUs even when present")
+    # --- expert parallelism (runtime/moe, runtime/comm) ---
+    EP_BACKEND = EnvVar(
+        "ZERODRAM_EP_BACKEND", str, "auto", "dispatch/combine backend: auto, torch (host-driven) or nvshmem"
+    )
+    EP_DEVICE_TIMEOUT_S = EnvVar(
+        "ZERODRAM_EP_DEVICE_TIMEOUT_S",
+        float,
+        None,
+        "bound on the device-side spin-waits of dispatch/combine (default: ZERODRAM_WAIT_TIMEOUT_S)",
+    )
+    # --- end expert parallelism ---
 
     def all(self) -> list[EnvVar]:
         return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]

@@ -1,0 +1,159 @@
+"""Decode attention: fused FP2 kernels vs FP16 SDPA (GQA), bytes read, bandwidth, speedup.
+
+    python benchmarks/attention.py [--json] [--batches 1,8,32] [--lengths 8192,32768,131072]
+    zerodram bench attention ...
+
+Shape legend: B seqs, L context (FP2 tokens; plus 36 bf16 sink/tail tokens), Hq = 32 query heads,
+Hkv = 8 kv heads, D = 128, P = 64 page size.
+
+Timing: CUDA events around each launch sequence, a 256 MB L2 flush before every repetition,
+warm-up, medians. FP2 = decode + merge kernels (q scaling included; the [D, D] rotations of q and
+the output are not, see docs/benchmarks.md). FP16 = `F.scaled_dot_product_attention(q, k, v,
+enable_gqa=True)` on contiguous [B, H, L, D] tensors (no paging). torch has no FP8-KV attention
+path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel: one token per
+sequence (decode append) and a 32-token tail flush per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--lengths", default="8192,32768,131072")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--configs", default="4x4", help="decode kernel variants WARPSxSTAGES, comma separated")
+    p.add_argument("--json", action="store_true", help="one JSON line per case")
+    p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
+
+
+def _time(fn, reps: int, flush) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _copy_bw(flush) -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src), 20, flush)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _case(
+    B: int, L: int, configs: list[tuple[int, int]], args: argparse.Namespace, flush, copy_bw: float
+) -> dict:
+    """Time FP2 decode (each kernel variant), the write kernel and FP16 SDPA for one (B, L)."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from zerodram.runtime.attention import (
+        Fp2DecodeAttention,
+        Fp2Writer,
+        random_decode_batch,
+        random_fp2_layer,
+    )
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
+    pages = B * math.ceil(L / P)
+    layer = random_fp2_layer(pages, HKV, P, D, device=dev, generator=gen)
+    batch = random_decode_batch([L] * B, [HP] * B, pages, HKV, P, D, hp_max=HP, device=dev, generator=gen)
+    q = torch.randn(B, HQ, D, device=dev, generator=gen)
+    fp2_bytes = B * HKV * L * 2 * (D // 4 + D // 64) + B * HKV * HP * D * 2 * 2 + q.numel() * 4
+    fp16_bytes = B * HKV * (L + HP) * D * 2 * 2
+    row = {"B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": D, "fp2_bytes": fp2_bytes, "fp16_bytes": fp16_bytes}
+    for warps, stages in configs:
+        att = Fp2DecodeAttention(
+            num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
+            device=dev, num_warps=warps, stages=stages,
+        )  # fmt: skip
+        ms = _time(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
+        row[f"fp2_ms_{warps}x{stages}"] = ms
+        if "fp2_ms" not in row or ms < row["fp2_ms"]:
+            row["fp2_ms"], row["fp2_config"], row["splits"] = ms, f"{warps}x{stages}", att.plan(B, L)[0]
+    row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
+    row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
+    writer = Fp2Writer(head_dim=D, device=dev)
+    for n_tok, tag in ((1, "write1"), (32, "flush32")):
+        y = torch.randn(B * n_tok, HKV, 2, D, device=dev, generator=gen)
+        s = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(n_tok)
+        f = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
+        row[f"{tag}_ms"] = _time(
+            lambda y=y, s=s, f=f: writer.write(y, s, f, layer, batch.block_table), 10, flush
+        )
+    if not args.no_fp16:
+        k = torch.randn(B, HKV, L + HP, D, device=dev, dtype=torch.float16, generator=gen)
+        v = torch.randn_like(k)
+        q16 = q.to(torch.float16)[:, :, None]  # [B, Hq, 1, D]
+        row["fp16_ms"] = _time(lambda: sdpa(q16, k, v, enable_gqa=True), args.reps, flush)
+        row["fp16_gbps"] = fp16_bytes / (row["fp16_ms"] * 1e-3) / 1e9
+        row["speedup"] = row["fp16_ms"] / row["fp2_ms"]
+        del k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attention benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    copy_bw = _copy_bw(flush)
+    name = torch.cuda.get_device_name()
+    print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    rows = []
+    for B in (int(x) for x in args.batches.split(",")):
+        for L in (int(x) for x in args.lengths.split(",")):
+            row = _case(B, L, configs, args, flush, copy_bw)
+            rows.append(row)
+            if args.json:
+                print(
+                    json.dumps({"bench": "attention", "device": name, "copy_bw": copy_bw, **row}), flush=True
+                )
+    nan = float("nan")
+    print(
+        f"\n{'B':>3} {'L':>7} {'cfg':>5} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
+        f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'flush32 us':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['B']:>3} {r['L']:>7} {r['fp2_config']:>5} {r['splits']:>6} {r['fp2_ms']:>8.4f} "
+            f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
+            f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
+            f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['flush32_ms']:>10.1f}"
+        )
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+// Shared pieces of the FP2 decode-attention kernels: PTX wrappers (byte permute, tensor-core MMA,
+// 8x8 transpose, cp.async), FP2 code expansion and 8-bit scale decoding.
+//
+// FP2 codes: 16 per uint32, element j of a group of 16 at bits [2j, 2j+1] (docs/fp2-format.md).
+// Expansion of one word (16 codes -> 8 half2) is a byte-permute table lookup: about 1.2-1.4
+// instructions per element (docs/fp2-kernel.md, "Code expansion").
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda/std/cstdint>
+
+using cuda::std::int32_t;
+using cuda::std::uint16_t;
+using cuda::std::uint32_t;
+using cuda::std::uint64_t;
+using cuda::std::uint8_t;
+
+#define ZD_DEVICE __device__ __forceinline__
+#define ZD_NEG_INF (-__int_as_float(0x7f800000))
+
+namespace zd {
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+
+ZD_DEVICE uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// D += A (16x16, row) * B (16x8, col); fp16 inputs, fp32 accumulators (m16n8k16 fragments).
+ZD_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane: row lane/4, columns
+// 2*(lane%4) and +1): afterwards the lane holds row lane/4 of the transpose.
+ZD_DEVICE uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(x));
+  return d;
+}
+
+ZD_DEVICE uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros (used for tokens outside the range, so
+// that garbage scale bytes of unwritten slots can never become NaN in the kernel).
+ZD_DEVICE void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+ZD_DEVICE void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+ZD_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+ZD_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+ZD_DEVICE float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+ZD_DEVICE uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+ZD_DEVICE __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+ZD_DEVICE uint32_t pack_half2(float lo, float hi) { return h2_as_u32(__floats2half2_rn(lo, hi)); }
+
+// ---- scales -------------------------------------------------------------------------------------
+
+enum ScaleFmt { kScaleE4M3 = 0, kScaleE8M0 = 1 };
+
+// Two 8-bit scales (in bytes 0 and 1 of `pair`) -> half2(s0, s1). Exact: E4M3 values are fp16
+// values; E8M0 exponents are clamped into fp16's normal range (the stored space has unit RMS per
+// head, so real scales sit far inside it).
+template <int FMT>
+ZD_DEVICE uint32_t scales_to_half2(uint32_t pair) {
+  if constexpr (FMT == kScaleE4M3) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(static_cast<uint16_t>(pair & 0xFFFFu)));
+    return d;
+  } else {
+    // 2^(e-127) as fp16 bits: (e - 112) << 10, e clamped to [113, 142] (fp16 normals).
+    uint32_t e0 = min(max(pair & 0xFFu, 113u), 142u), e1 = min(max((pair >> 8) & 0xFFu, 113u), 142u);
+    return ((e0 - 112u) << 10) | ((e1 - 112u) << 26);
+  }
+}
+
+// ---- code expansion -----------------------------------------------------------------------------
+//
+// Both expansions give, for one code word w (code j at bits [2j, 2j+1]):
+//   out[2s] = half2(L[code s], L[code 4+s]),  out[2s+1] = half2(L[code 8+s], L[code 12+s]),  s = 0..3.
+// Shifts go through the FMA pipe (IMAD.SHL / IMAD.HI) because the integer ALU pipe, at half the
+// issue rate, is the one the byte permutes and masks already fill.
+
+template <int N>
+ZD_DEVICE uint32_t shl_fma(uint32_t x) {  // x << N as IMAD.SHL
+  uint32_t d;
+  asm("mul.lo.u32 %0, %1, %2;" : "=r"(d) : "r"(x), "n"(1u << N));
+  return d;
+}
+template <int N>
+ZD_DEVICE uint32_t shr_fma(uint32_t x) {  // x >> N (1 <= N < 32) as IMAD.HI
+  static_assert(N >= 1 && N < 32, "shift");
+  uint32_t d;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(x), "n"(1u << (32 - N)));
+  return d;
+}
+
+// fp16 table (any levels, e.g. already multiplied by a key block scale): t01 = half2(L0, L1),
+// t23 = half2(L2, L3), so bytes 2c, 2c+1 of the pair (t01, t23) hold level c. prmt reads four
+// selector nibbles from the low 16 bits of its selector; nibbles (2c0, 2c0+1, 2c1, 2c1+1) give
+// half2(L[c0], L[c1]). With a code c in the low 2 bits of a byte, c * 0x22 + 0x10 is exactly that
+// nibble pair, so one IMAD turns four bytes of codes into two selectors (bytes 0-1, 2-3; the
+// second brought down by IMAD.HI). Per word: 4 LOP3 + 8 PRMT (ALU), 3 + 4 + 4 IMAD (FMA).
+ZD_DEVICE void expand_word_f16(uint32_t w, uint32_t t01, uint32_t t23, uint32_t (&out)[8]) {
+  const uint32_t ws[4] = {w, shr_fma<2>(w), shr_fma<4>(w), shr_fma<6>(w)};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t x = ws[s] & 0x03030303u;           // byte b = code 4b + s
+    const uint32_t sel = x * 0x22u + 0x10101010u;     // nibble pairs for all four bytes
+    out[2 * s] = prmt(t01, t23, sel);
+    out[2 * s + 1] = prmt(t01, t23, shr_fma<16>(sel));
+  }
+}
+
+// e5m2-exact levels (docs/fp2-format.md): each fp16 level is its high byte over a zero low byte,
+// so the table is one register t = (hb(L0), hb(L1), hb(L2), hb(L3)) and a zero register supplies
+// the low bytes: selector nibbles (4, c0, 4, c1) give half2(L[c0], L[c1]). A byte 0b00cc0100 is
+// such a nibble pair, i.e. (w' & 0x30303030) | 0x04040404 with the codes moved to bits 4-5 of
+// each byte: one LOP3 per four codes and no multiply. Per word: 4 LOP3 + 8 PRMT, 3 + 4 IMAD.
+ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
+  // Code 4b+s sits at bits 8b+2s; bring it to 8b+4.
+  const uint32_t ws[4] = {shl_fma<4>(w), shl_fma<2>(w), w, shr_fma<2>(w)};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t sel = (ws[s] & 0x30303030u) | 0x04040404u;
+    out[2 * s] = prmt(t, 0u, sel);
+    out[2 * s + 1] = prmt(t, 0u, shr_fma<16>(sel));
+  }
+}
+
+}  // namespace zd

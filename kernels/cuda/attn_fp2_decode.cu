@@ -1,0 +1,385 @@
+// Split-KV FP2 decode attention: one query token per sequence, all query heads of a KV-head group
+// in one CTA, codes expanded to fp16 in registers right before tensor-core MMA (mma.sync m16n8k16).
+//
+// Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv query heads per kv head (<= 8),
+// D head dim (64 | 128), P page size (tokens, multiple of 32), S splits per sequence,
+// NBK / NBV = D / K_BLOCK / D / V_BLOCK scale blocks per token.
+//
+// grid (S, Hkv, B), NUM_WARPS warps. CTA (s, h, b) covers FP2 tokens [lo + s * split_tokens, ...)
+// of sequence b (lo aligned down to 32), in stages of 32 tokens (never across a page: P % 32 == 0);
+// warp w takes stages w, w + NUM_WARPS, ... through its own STAGES-deep cp.async ring, so the main
+// loop needs no block barrier. Each warp keeps an online softmax per head; at the end the warps
+// are combined through shared memory and the CTA writes its unnormalised partial output and
+// (max, sum) to the split workspace; attn_fp2_merge adds the bf16 sinks/tail and normalises.
+//
+// The MMAs are "swapped" (tokens and channels on M, heads on N = 8), so a group of <= 8 heads
+// wastes at most N padding, never 16-row M padding:
+//   scores^T [16 tok, 8 heads] = K [16 tok, D] . Q^T [D, 8 heads]       (A = dequantised K)
+//   out^T    [16 ch, 8 heads]  += V^T [16 ch, 16 tok] . P^T [16 tok, 8]  (A = dequantised V)
+// P^T comes from the score accumulators by one movmatrix.trans per 8x8 block.
+//
+// Element order inside an MMA is free as long as both operands agree: K channels are permuted so
+// that each lane's 32 (D=128) or 16 (D=64) channels of a token are whole code words of one scale
+// block (one scaled lookup table per lane and token); Q is loaded in the same order. Token order
+// in a 16-token tile is permuted (kTokOfPos) so that the shared-memory reads of both K (8-byte)
+// and V (4-byte) rows are free of bank conflicts. V channels land in a known permuted order that
+// the epilogue undoes. See docs/fp2-kernel.md.
+#include "attn_fp2_common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4  // query heads per kv head, 1..8
+#endif
+#ifndef K_BLOCK
+#define K_BLOCK 64  // channels per key scale block
+#endif
+#ifndef V_BLOCK
+#define V_BLOCK 64  // channels per value scale block
+#endif
+#ifndef SCALE_FMT
+#define SCALE_FMT 0  // 0: E4M3, 1: E8M0
+#endif
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+
+namespace {
+
+using namespace zd;
+
+constexpr int D = HEAD_DIM;
+constexpr int NKS = D / 16;       // k-steps of the score MMA == M-tiles of the output MMA
+constexpr int WPR = D / 16;       // code words per token row
+constexpr int WPL = D / 64;       // key code words per lane per token (32 or 16 channels)
+constexpr int NBK = D / K_BLOCK;  // key scale bytes per token
+constexpr int NBV = D / V_BLOCK;  // value scale bytes per token
+constexpr int TOK = 32;           // tokens per pipeline stage
+constexpr int NT = TOK / 16;      // MMA tiles per stage
+
+static_assert(D == 64 || D == 128, "head dim must be 64 or 128");
+static_assert(GROUP >= 1 && GROUP <= 8, "1..8 query heads per kv head");
+// A lane's key channels (16 * WPL consecutive stored channels) and value channels (D / 8) must sit
+// inside one scale block.
+static_assert(K_BLOCK >= 16 * WPL && D % K_BLOCK == 0, "key block must cover a lane's channels");
+static_assert(V_BLOCK >= D / 8 && D % V_BLOCK == 0, "value block must cover a lane's channels");
+static_assert(TOK * NBK % 16 == 0 && TOK * NBV % 16 == 0, "scale rows of a stage copy in 16 B");
+
+struct __align__(16) Stage {
+  uint32_t kc[TOK * WPR];  // [TOK, D/16] key code words, token-major as in the page
+  uint32_t vc[TOK * WPR];
+  uint8_t ks[TOK * NBK];  // [TOK, NBK] key scale bytes
+  uint8_t vs[TOK * NBV];
+};
+static_assert(sizeof(Stage) % 16 == 0, "stages stay 16-byte aligned");
+
+// Position p (0..7) of an 8-row MMA half-tile -> token row in the stage. Rows 4a+b go to 4a +
+// (a+b)%4: the four rows read by one 8-byte K load of a half warp (p = 0..3 or 4..7) and the four
+// rows read by one 4-byte V load (p = 0,2,4,6 or 1,3,5,7) then fall in distinct 32-byte bank
+// groups.
+ZD_DEVICE int tok_of_pos8(int p) { return (p & 4) | (((p & 3) + (p >> 2)) & 3); }
+
+// The K channel held in k-step ks, k index kk (0..15) by the lanes with t = (kk % 8) / 2.
+ZD_DEVICE int k_channel(int ks, int kk) {
+  const int t = (kk & 7) >> 1, e = kk & 1, hi = kk >> 3;
+  return 16 * (t * WPL + ks / 4) + 8 * hi + 4 * e + (ks & 3);
+}
+// The V channel of output row (m-tile m, half r) for lane group g.
+ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16) + m; }
+
+struct Softmax {
+  float m[2], l[2];  // running max (log2 domain) and this lane's partial sum, heads 2t, 2t+1
+};
+
+// Fill one stage: 32 tokens of K and V codes plus their scales (a page holds whole stages).
+ZD_DEVICE void load_stage(Stage* st, int lane, const uint32_t* kc, const uint32_t* vc,
+                          const uint8_t* ks, const uint8_t* vs) {
+  constexpr int kChunks = TOK * WPR / 4;  // 16-byte chunks of one side's codes
+#pragma unroll
+  for (int c = lane; c < kChunks; c += 32) {
+    cp_async16(smem_addr(st->kc + 4 * c), kc + 4 * c, 16);
+    cp_async16(smem_addr(st->vc + 4 * c), vc + 4 * c, 16);
+  }
+  if (lane < TOK * NBK / 16) cp_async16(smem_addr(st->ks + 16 * lane), ks + 16 * lane, 16);
+  if (lane < TOK * NBV / 16) cp_async16(smem_addr(st->vs + 16 * lane), vs + 16 * lane, 16);
+}
+
+template <bool PARTIAL>
+ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, const uint32_t (&qf)[NKS][2],
+                             uint32_t kl01, uint32_t kl23, uint32_t vlt, Softmax& sm,
+                             float (&oacc)[NKS][4]) {
+  // ---- scores^T = K Q^T for NT tiles ------------------------------------------------------------
+  float sacc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    uint32_t a[NKS][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int tok = 16 * i + 8 * r + tok_of_pos8(g);
+      const uint32_t sbyte = st->ks[tok * NBK + (16 * t * WPL) / K_BLOCK];
+      const __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(sbyte * 0x0101u));
+      const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(kl01), s2));
+      const uint32_t t23 = h2_as_u32(__hmul2(u32_as_h2(kl23), s2));
+      const uint32_t* row = st->kc + tok * WPR + t * WPL;
+#pragma unroll
+      for (int w = 0; w < WPL; ++w) {
+        uint32_t e[8];
+        expand_word_f16(row[w], t01, t23, e);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          a[4 * w + s][r] = e[2 * s];          // k 2t, 2t+1 of k-step 4w+s
+          a[4 * w + s][2 + r] = e[2 * s + 1];  // k 2t+8, 2t+9
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sacc[i][c] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], qf[ks][0], qf[ks][1]);
+    if constexpr (PARTIAL) {
+      const int tok0 = 16 * i + tok_of_pos8(g);
+      if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
+      if (!((valid >> (tok0 + 8)) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+    }
+  }
+
+  // ---- online softmax (per head: lanes with equal t hold the same two heads) --------------------
+  float mx[2] = {sm.m[0], sm.m[1]};
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    mx[0] = fmaxf(mx[0], fmaxf(sacc[i][0], sacc[i][2]));
+    mx[1] = fmaxf(mx[1], fmaxf(sacc[i][1], sacc[i][3]));
+  }
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
+    mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
+  }
+  // A stage always holds a valid token, so mx is finite from here on.
+  if (__any_sync(0xffffffffu, mx[0] > sm.m[0] || mx[1] > sm.m[1])) {
+    const float al0 = ex2(sm.m[0] - mx[0]), al1 = ex2(sm.m[1] - mx[1]);  // 0 on the first stage
+    sm.l[0] *= al0;
+    sm.l[1] *= al1;
+#pragma unroll
+    for (int m = 0; m < NKS; ++m) {
+      oacc[m][0] *= al0;
+      oacc[m][1] *= al1;
+      oacc[m][2] *= al0;
+      oacc[m][3] *= al1;
+    }
+    sm.m[0] = mx[0];
+    sm.m[1] = mx[1];
+  }
+  uint32_t pb[NT][2];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const float p0 = ex2(sacc[i][0] - sm.m[0]), p1 = ex2(sacc[i][1] - sm.m[1]);
+    const float p2 = ex2(sacc[i][2] - sm.m[0]), p3 = ex2(sacc[i][3] - sm.m[1]);
+    sm.l[0] += p0 + p2;
+    sm.l[1] += p1 + p3;
+    pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[tok 2t, 2t+1][head g]
+    pb[i][1] = movmatrix_trans(pack_half2(p2, p3));  // P^T[tok 2t+8, 2t+9][head g]
+  }
+
+  // ---- out^T += V^T P^T ----------------------------------------------------------------------
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    // Lane (g, t) feeds token pairs at positions (2t, 2t+1) and (2t+8, 2t+9).
+    uint32_t v[2][2][8];  // [pair][half r][m-tile % 8 mapping] expanded, scaled half2 (tokA, tokB)
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const int ta = 16 * i + 8 * pr + tok_of_pos8(2 * t), tb = 16 * i + 8 * pr + tok_of_pos8(2 * t + 1);
+      const int vblk = (g * (D / 8)) / V_BLOCK;
+      uint32_t spair = st->vs[ta * NBV + vblk] | (uint32_t(st->vs[tb * NBV + vblk]) << 8);
+      __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(spair));
+      if constexpr (PARTIAL) {
+        // Unwritten slots may hold any byte (E4M3 0x7f is NaN): zero their scale so that the
+        // value is 0 and 0 * p stays 0.
+        uint32_t keep = (((valid >> ta) & 1u) ? 0x0000ffffu : 0u) | (((valid >> tb) & 1u) ? 0xffff0000u : 0u);
+        s2 = u32_as_h2(h2_as_u32(s2) & keep);
+      }
+      if constexpr (D == 128) {
+        const uint32_t wa = st->vc[ta * WPR + g], wb = st->vc[tb * WPR + g];
+        uint32_t e[8];
+        expand_word_e5m2(prmt(wa, wb, 0x5140), vlt, e);  // word channels 0..7
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[pr][0][j] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
+        expand_word_e5m2(prmt(wa, wb, 0x7362), vlt, e);  // word channels 8..15
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[pr][1][j] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
+      } else {
+        const uint32_t wa = st->vc[ta * WPR + (g >> 1)], wb = st->vc[tb * WPR + (g >> 1)];
+        uint32_t e[8];
+        expand_word_e5m2(prmt(wa, wb, (g & 1) ? 0x7362 : 0x5140), vlt, e);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[pr][j & 1][j >> 1] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < NKS; ++m) {
+      // D=128: row half r, m-tile m -> word channel 8r + m; expand_word gives channel s at e[2s]
+      // and 4+s at e[2s+1], so m < 4 -> e[2m], m >= 4 -> e[2(m-4)+1].
+      // D=64: row half r, m-tile m -> channel 8*(g%2) + 4r + m of the word -> e[2m + r].
+      uint32_t a[4];
+      if constexpr (D == 128) {
+        const int j = m < 4 ? 2 * m : 2 * (m - 4) + 1;
+        a[0] = v[0][0][j];
+        a[1] = v[0][1][j];
+        a[2] = v[1][0][j];
+        a[3] = v[1][1][j];
+      } else {
+        a[0] = v[0][0][m];
+        a[1] = v[0][1][m];
+        a[2] = v[1][0][m];
+        a[3] = v[1][1][m];
+      }
+      mma_f16(oacc[m], a, pb[i][0], pb[i][1]);
+    }
+  }
+}
+
+}  // namespace
+
+// q        [B, Hq, D] fp16: rotated, anchor-folded, times softmax_scale * log2(e)
+// k_codes  page pool of key code words: page p, kv head h, slot j at
+//          k_codes + p * code_page_stride + h * code_head_stride + j * D/16 (words)
+// k_scales key scale bytes at k_scales + p * ks_page_stride + h * ks_head_stride + j * NBK
+// v_codes / v_scales: the same for values (same code strides; own scale strides)
+// levels   [8] fp32: 4 key levels then 4 value levels (fp16-exact)
+// block_table [B, bt_stride] int32 page ids over FP2 token index (token f in page f / P, slot f % P)
+// fp2_lo / fp2_hi [B] int32: the FP2 tokens [lo, hi) to attend to
+// o_part   [B, Hq, max_splits, D] fp32 unnormalised partial outputs (V channels in stored order)
+// ml_part  [B, Hq, max_splits, 2] fp32 (running max in log2 units, sum of exponentials)
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+    attn_fp2_decode(const __half* __restrict__ q, const uint32_t* __restrict__ k_codes,
+                    const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
+                    const uint8_t* __restrict__ v_scales, long long code_page_stride,
+                    long long code_head_stride, long long ks_page_stride, long long ks_head_stride,
+                    long long vs_page_stride, long long vs_head_stride, const float* __restrict__ levels,
+                    const int32_t* __restrict__ block_table, int bt_stride, int page_size,
+                    const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
+                    int max_splits, float* __restrict__ o_part, float* __restrict__ ml_part) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int num_kv_heads = gridDim.y, num_q_heads = num_kv_heads * GROUP;
+  const int lo = fp2_lo[b], hi = fp2_hi[b];
+  const int base = lo & ~(TOK - 1);
+  const int r_lo = base + split * split_tokens;
+  const int r_hi = min(hi, r_lo + split_tokens);
+  if (r_lo >= r_hi || lo >= hi) return;  // the merge kernel counts splits the same way
+  const int num_stages = (r_hi - r_lo + TOK - 1) / TOK;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  Stage* ring = reinterpret_cast<Stage*>(smem_raw) + warp * STAGES;
+
+  // Q^T fragments (B operand): head g, channels in the permuted K order.
+  uint32_t qf[NKS][2];
+  {
+    const __half* qh = q + (size_t(b) * num_q_heads + kvh * GROUP + min(g, GROUP - 1)) * D;
+    const bool live = g < GROUP;  // padded heads multiply zeros
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks) {
+#pragma unroll
+      for (int hl = 0; hl < 2; ++hl) {
+        const __half x0 = live ? qh[k_channel(ks, 8 * hl + 2 * t)] : __float2half(0.f);
+        const __half x1 = live ? qh[k_channel(ks, 8 * hl + 2 * t + 1)] : __float2half(0.f);
+        qf[ks][hl] = h2_as_u32(__halves2half2(x0, x1));
+      }
+    }
+  }
+  const uint32_t kl01 = pack_half2(levels[0], levels[1]), kl23 = pack_half2(levels[2], levels[3]);
+  // Value levels as the high bytes of their fp16 (e5m2-exact by the format).
+  const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
+  const uint32_t vlt = prmt(vl01, vl23, 0x7531);
+
+  const int32_t* bt = block_table + size_t(b) * bt_stride;
+  auto issue = [&](int stage_idx, int slot) {
+    if (stage_idx < num_stages) {
+      const int f = r_lo + stage_idx * TOK;  // first token of the stage
+      const long long page = bt[f / page_size];
+      const int j = f % page_size;
+      const long long coff = page * code_page_stride + kvh * code_head_stride + (long long)j * WPR;
+      load_stage(ring + slot, lane, k_codes + coff, v_codes + coff,
+                 k_scales + page * ks_page_stride + kvh * ks_head_stride + (long long)j * NBK,
+                 v_scales + page * vs_page_stride + kvh * vs_head_stride + (long long)j * NBV);
+    }
+    cp_async_commit();  // empty groups keep the wait count uniform
+  };
+
+  Softmax sm;
+  sm.m[0] = sm.m[1] = ZD_NEG_INF;
+  sm.l[0] = sm.l[1] = 0.f;
+  float oacc[NKS][4];
+#pragma unroll
+  for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
+
+  // Warp w handles stages w, w + NUM_WARPS, ...; its k-th stage sits in ring slot k % STAGES.
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NUM_WARPS, k);
+  int k = 0;
+  for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {
+    cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
+    __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
+    issue(si + (STAGES - 1) * NUM_WARPS, (k + STAGES - 1) % STAGES);
+    const Stage* st = ring + k % STAGES;
+    const int f0 = r_lo + si * TOK;
+    if (f0 >= lo && f0 + TOK <= r_hi) {
+      compute_stage<false>(st, g, t, 0xffffffffu, qf, kl01, kl23, vlt, sm, oacc);
+    } else {
+      const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
+      const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
+      compute_stage<true>(st, g, t, valid, qf, kl01, kl23, vlt, sm, oacc);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- combine the warps of the CTA ---------------------------------------------------------
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    sm.l[0] += __shfl_xor_sync(0xffffffffu, sm.l[0], off);
+    sm.l[1] += __shfl_xor_sync(0xffffffffu, sm.l[1], off);
+  }
+  __syncthreads();  // every warp is done with its ring: reuse the shared memory
+  float* red_m = reinterpret_cast<float*>(smem_raw);  // [NUM_WARPS, 8]
+  float* red_l = red_m + NUM_WARPS * 8;              // [NUM_WARPS, 8]
+  float* red_o = red_l + NUM_WARPS * 8;              // [NUM_WARPS, 8, D]
+  if (g == 0) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      red_m[warp * 8 + 2 * t + c] = sm.m[c];
+      red_l[warp * 8 + 2 * t + c] = sm.l[c];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < NKS; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int head = 2 * t + (c & 1), ch = v_channel(g, c >> 1, m);
+      red_o[(warp * 8 + head) * D + ch] = oacc[m][c];
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < GROUP * D; idx += NUM_WARPS * 32) {
+    const int head = idx / D, ch = idx % D;
+    float mx = ZD_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red_m[w * 8 + head]);
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float wt = ex2(red_m[w * 8 + head] - mx);  // 0 for warps that saw no stage
+      o += wt * red_o[(w * 8 + head) * D + ch];
+      l += wt * red_l[w * 8 + head];
+    }
+    const size_t row = (size_t(b) * num_q_heads + kvh * GROUP + head) * max_splits + split;
+    o_part[row * D + ch] = o;
+    if (ch == 0) {
+      ml_part[row * 2] = mx;
+      ml_part[row * 2 + 1] = l;
+    }
+  }
+}

@@ -1,0 +1,153 @@
+// FP2 write path: quantize tokens (already in the stored space: rotated, divided by the anchor)
+// into the paged FP2 cache, one scale block per warp, following runtime/kv/quantize.py
+// (`quantize_blocks` with channel blocks, symmetric, no outliers).
+//
+// Shape legend: N tokens to write, Hkv kv heads, D head dim, BS channels per scale block,
+// NB = D / BS blocks per token, C = 33 candidate scales of the MSE search, P page size.
+//
+// grid (N, Hkv, 2 sides: K then V), NB warps. Scale rule (per side): absmax: s = round(absmax /
+// max|L|); mse: the candidate round(absmax / max|L| * frac_c) of least squared error, first on
+// ties. Rounding is the reference's (E4M3 round-to-nearest-even clamped into [2^-9, 448]; E8M0
+// nearest power of two in log2, ties up), fp32 division and product as torch computes them on the
+// CPU. The only order-dependent step is the error sum (sequential here): two candidates whose
+// errors tie within rounding may be chosen differently (docs/fp2-kernel.md, "Write path").
+#include "attn_fp2_common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef K_BLOCK
+#define K_BLOCK 64
+#endif
+#ifndef V_BLOCK
+#define V_BLOCK 64
+#endif
+#ifndef SCALE_FMT
+#define SCALE_FMT 0  // 0: E4M3, 1: E8M0
+#endif
+#ifndef NUM_CAND
+#define NUM_CAND 33
+#endif
+
+namespace {
+constexpr int D = HEAD_DIM;
+constexpr int MAX_BS = K_BLOCK > V_BLOCK ? K_BLOCK : V_BLOCK;
+constexpr int MAX_NB = D / (K_BLOCK < V_BLOCK ? K_BLOCK : V_BLOCK);
+static_assert(K_BLOCK % 16 == 0 && V_BLOCK % 16 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
+static_assert(NUM_CAND <= 64, "two candidates per lane at most");
+
+__device__ float round_scale(float s) {
+  if constexpr (SCALE_FMT == zd::kScaleE4M3) {
+    s = fminf(fmaxf(s, 0.001953125f), 448.f);  // [2^-9, 448]
+    uint16_t b;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));  // s -> low byte
+    const __half2 h = zd::u32_as_h2(zd::scales_to_half2<zd::kScaleE4M3>(b));
+    return __low2float(h);
+  } else {
+    const float e = fminf(fmaxf(floorf(log2f(fmaxf(s, 5.877471754e-39f)) + 0.5f), -127.f), 127.f);
+    return exp2f(e);
+  }
+}
+
+__device__ uint32_t encode_scale(float s) {
+  if constexpr (SCALE_FMT == zd::kScaleE4M3) {
+    uint16_t b;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));
+    return b & 0xFFu;
+  } else {
+    return uint32_t(int(rintf(log2f(s))) + 127);
+  }
+}
+
+__device__ int nearest_code(float z, float m0, float m1, float m2) {
+  return int(z >= m0) + int(z >= m1) + int(z >= m2);  // bucketize(right=True) over the midpoints
+}
+}  // namespace
+
+// y        [N, Hkv, 2, D] fp32 stored-space values (side 0 = K, 1 = V)
+// seq_idx  [N] int32 row of the block table; fp2_idx [N] int32 FP2 token index (page f / P, slot f % P)
+// k_codes / v_codes, k_scales / v_scales: the page pools (same layout and strides as attn_fp2_decode)
+// levels   [8] fp32 (K then V, sorted); fracs [NUM_CAND] fp32 candidate fractions (MSE rule)
+// rules    0 absmax, 1 mse; bit 0 keys, bit 1 values
+extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
+    attn_fp2_write(const float* __restrict__ y, const int32_t* __restrict__ seq_idx,
+                   const int32_t* __restrict__ fp2_idx, const int32_t* __restrict__ block_table, int bt_stride,
+                   int page_size, uint32_t* __restrict__ k_codes, uint8_t* __restrict__ k_scales,
+                   uint32_t* __restrict__ v_codes, uint8_t* __restrict__ v_scales, long long code_page_stride,
+                   long long code_head_stride, long long ks_page_stride, long long ks_head_stride,
+                   long long vs_page_stride, long long vs_head_stride, const float* __restrict__ levels,
+                   const float* __restrict__ fracs, int rules) {
+  __shared__ float ys[MAX_NB][MAX_BS];
+  __shared__ uint8_t cs[MAX_NB][MAX_BS];
+  const int n = blockIdx.x, kvh = blockIdx.y, side = blockIdx.z;
+  const int num_kv_heads = gridDim.y;
+  const int bs = side == 0 ? K_BLOCK : V_BLOCK, nb = D / bs;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= nb) return;
+  const float* lv = levels + 4 * side;
+  const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
+  const float m0 = (l0 + l1) * 0.5f, m1 = (l1 + l2) * 0.5f, m2 = (l2 + l3) * 0.5f;
+  const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
+  const bool mse = (rules >> side) & 1;
+
+  const float* src = y + ((size_t(n) * num_kv_heads + kvh) * 2 + side) * D + warp * bs;
+  float amax = 0.f;
+  for (int c = lane; c < bs; c += 32) {
+    const float v = src[c];
+    ys[warp][c] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+#pragma unroll
+  for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  __syncwarp();
+  const float s0 = __fdiv_rn(amax, lmax);
+
+  float scale;
+  if (!mse) {
+    scale = round_scale(s0);
+  } else {
+    // Lane c evaluates candidates c and c + 32; sums run in channel order.
+    float best_err = __int_as_float(0x7f800000);
+    int best_c = 0x7fffffff;
+    float best_s = 0.f;
+    for (int c = lane; c < NUM_CAND; c += 32) {
+      const float cand = round_scale(s0 * fracs[c]);
+      float err = 0.f;
+      for (int i = 0; i < bs; ++i) {
+        const float v = ys[warp][i];
+        const int code = nearest_code(__fdiv_rn(v, cand), m0, m1, m2);
+        const float lvl = code == 0 ? l0 : code == 1 ? l1 : code == 2 ? l2 : l3;
+        const float d = __fsub_rn(v, __fmul_rn(lvl, cand));  // no FMA: torch rounds the product
+        err = __fadd_rn(err, __fmul_rn(d, d));
+      }
+      if (err < best_err) best_err = err, best_c = c, best_s = cand;
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+      const float oe = __shfl_xor_sync(0xffffffffu, best_err, off);
+      const int oc = __shfl_xor_sync(0xffffffffu, best_c, off);
+      const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
+      if (oe < best_err || (oe == best_err && oc < best_c)) best_err = oe, best_c = oc, best_s = os;
+    }
+    scale = best_s;
+  }
+
+  for (int c = lane; c < bs; c += 32) cs[warp][c] = uint8_t(nearest_code(__fdiv_rn(ys[warp][c], scale), m0, m1, m2));
+  __syncwarp();
+
+  const int b = seq_idx[n], f = fp2_idx[n];
+  const long long page = block_table[size_t(b) * bt_stride + f / page_size];
+  const int j = f % page_size;
+  uint32_t* codes = side == 0 ? k_codes : v_codes;
+  uint8_t* scales = side == 0 ? k_scales : v_scales;
+  const long long sp = side == 0 ? ks_page_stride : vs_page_stride;
+  const long long sh = side == 0 ? ks_head_stride : vs_head_stride;
+  uint32_t* wdst = codes + page * code_page_stride + kvh * code_head_stride + (long long)j * (D / 16) + warp * (bs / 16);
+  for (int w = lane; w < bs / 16; w += 32) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) word |= uint32_t(cs[warp][16 * w + e]) << (2 * e);
+    wdst[w] = word;
+  }
+  if (lane == 0) scales[page * sp + kvh * sh + (long long)j * nb + warp] = uint8_t(encode_scale(scale));
+}

@@ -1,0 +1,53 @@
+"""`zerodram bench SUBCOMMAND`: a thin dispatcher to the benchmark modules.
+
+Add a subcommand with one line in `SUBCOMMANDS`: name -> (target, help). A target is
+"module:" (an importable module) or "path.py:" relative to the repository root (the `benchmarks/`
+folder is not installed as a package); the module provides `add_arguments(parser)` and
+`run(args) -> int`. Heavy imports happen inside `run`, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from zerodram.runtime.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "dispatch": ("benchmarks/dispatch.py", "MoE dispatch/combine latency: NVSHMEM vs host-driven"),
+    "attention": ("benchmarks/attention.py", "FP2 decode attention vs FP16 SDPA: ms, GB/s, speedup"),
+}
+
+
+def _load(target: str) -> ModuleType:
+    if not target.endswith(".py"):
+        return importlib.import_module(target)
+    path = REPO_ROOT / target
+    if not path.exists():
+        raise ConfigError(f"benchmark {target} not found under {REPO_ROOT} (run from a source checkout)")
+    name = "zerodram_bench_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmarks (dispatch, ...)", description="Run a benchmark; see SUBCOMMAND --help."
+    )
+    inner = p.add_subparsers(dest="bench", metavar="SUBCOMMAND")
+    for name, (target, text) in SUBCOMMANDS.items():
+        module = _load(target)
+        q = inner.add_parser(name, help=text, description=(module.__doc__ or text).strip().splitlines()[0])
+        module.add_arguments(q)
+        q.set_defaults(func=module.run)

@@ -1,0 +1,58 @@
+"""`zerodram generate`: one process, one or more prompts, text out (streamed as it comes).
+
+zerodram generate --prompt "What is the capital of France?" --max-tokens 32 --kv bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from zerodram.runtime.engine.jobs import build_from_args
+    from zerodram.runtime.engine.request import SamplingParams
+
+    engine = build_from_args(args, None)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    prompts = list(args.prompt)
+    stream = len(prompts) == 1 and engine.tokenizer is not None
+
+    def on_event(ev) -> None:
+        if stream and ev.token_id is not None and ev.finish_reason != "stop":
+            sys.stdout.write(engine.tokenizer.decode([ev.token_id]))
+            sys.stdout.flush()
+
+    outs = engine.generate(prompts, params, chat=not args.raw, on_event=on_event)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if out.error is not None:
+            print(f"error: {out.error}", file=sys.stderr)
+            continue
+        if stream:
+            print()
+        else:
+            print(f"> {prompt}\n{out.text if out.text is not None else out.token_ids}\n")
+        print(
+            f"[{len(out.token_ids)} tokens, {out.finish_reason}, kv {engine.kv.kv_format}]", file=sys.stderr
+        )
+    return 1 if any(o.error for o in outs) else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from zerodram.runtime.engine.jobs import add_engine_args
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text for prompts in this process (no torchrun)",
+        description="Load a model in this process and generate for each --prompt.",
+    )
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
+    add_engine_args(p, default_kv="fp2")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,90 @@
+"""Communication for expert parallelism: one interface (`Communicator`), two backends.
+
+    comm = create_communicator(ctx, layout, router, backend="auto")   # "torch" | "nvshmem"
+    out = comm.dispatch(x, topk_idx=..., topk_weight=...)
+    y = comm.combine(experts(out.recv_x, out.recv_expert_offsets), out)
+    comm.close()
+
+`auto` picks NVSHMEM when the context's device is a GPU and nvshmem4py imports, else torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerodram.runtime.comm.base import Communicator, DispatchOutput, RouteInput, combine_reduce
+from zerodram.runtime.comm.layout import (
+    EpLayout,
+    ExpertPlacement,
+    SendPlan,
+    from_topology,
+    packed_offsets,
+    plan_send,
+)
+from zerodram.runtime.errors import ConfigError
+
+BACKENDS = ("auto", "torch", "nvshmem")
+
+__all__ = [
+    "BACKENDS",
+    "Communicator",
+    "DispatchOutput",
+    "EpLayout",
+    "ExpertPlacement",
+    "RouteInput",
+    "SendPlan",
+    "check_layout_matches",
+    "combine_reduce",
+    "create_communicator",
+    "from_topology",
+    "packed_offsets",
+    "plan_send",
+]
+
+
+def check_layout_matches(layout: EpLayout, ctx: Any) -> None:
+    """Raise `ConfigError` naming both sides when the layout and the rank context disagree."""
+    if layout.world_size != ctx.world_size:
+        raise ConfigError(f"EP layout spans {layout.world_size} ranks, the job has {ctx.world_size}")
+    if layout.rank != ctx.rank:
+        raise ConfigError(f"EP layout was built for rank {layout.rank}, this process is rank {ctx.rank}")
+
+
+def create_communicator(
+    ctx: Any, layout: EpLayout, router: Any = None, backend: str | None = None
+) -> Communicator:
+    """Choose and build the backend once.
+
+    Args:
+        ctx: the `RankContext`.
+        layout: the layer's `EpLayout`.
+        router: a `RouterConfig` (needed to dispatch from logits or the gate weight).
+        backend: "auto", "torch" or "nvshmem" (default: ZERODRAM_EP_BACKEND).
+
+    Raises:
+        ConfigError: unknown backend, or "nvshmem" without a GPU.
+    """
+    from zerodram.runtime.envs import ENVS
+
+    backend = backend or ENVS.EP_BACKEND.get()
+    if backend not in BACKENDS:
+        raise ConfigError(f"EP backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = "nvshmem" if ctx.device.type == "cuda" and _nvshmem_importable() else "torch"
+    if backend == "torch":
+        from zerodram.runtime.comm.torch_dist import TorchDistComm
+
+        return TorchDistComm.create(ctx, layout, router)
+    if ctx.device.type != "cuda":
+        raise ConfigError(f"EP backend nvshmem needs a GPU; rank {ctx.rank} runs on {ctx.device}")
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+
+    return NvshmemComm.create(ctx, layout, router)
+
+
+def _nvshmem_importable() -> bool:
+    try:
+        import nvshmem.core  # noqa: F401
+    except ImportError:
+        return False
+    return True

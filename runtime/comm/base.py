@@ -1,0 +1,177 @@
+"""The communication interface of an expert-parallel MoE layer: dispatch, then combine.
+
+Shape legend: T tokens on this rank, D hidden, K top-k, El local experts, N packed rows.
+
+    out = comm.dispatch(x, topk_idx=..., topk_weight=...)      # or logits=..., or gate_weight=...
+    y_packed = experts(out.recv_x, out.recv_expert_offsets)    # [N, D], this rank's experts
+    y = comm.combine(y_packed, out)                            # [T, D], weighted by the router
+
+Every rank calls dispatch and combine for every MoE layer, in the same order, even with T == 0.
+Backends are chosen once, at construction (`runtime/comm/__init__.py:create_communicator`):
+`TorchDistComm` (host-driven, gloo or NCCL) and `NvshmemComm` (device-initiated, GPU).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerodram.runtime.comm.layout import EpLayout
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.moe.router import RouterConfig, gate_logits, route
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """What a dispatch delivers to this rank's experts, and what its combine needs.
+
+    Attributes:
+        recv_x: [N, D] packed rows, expert-major (see `layout`); rows past
+            ``recv_expert_offsets[-1]`` are unspecified (the GPU path sizes N for the worst case).
+        recv_expert_offsets: [El] int32 cumulative ends, the ``offs`` of `torch._grouped_mm`.
+        recv_num_tokens_per_expert: [El] int32 rows per local expert.
+        topk_idx: [T, K] int64, the routing this dispatch used (the fused router's output).
+        topk_weight: [T, K] fp32.
+        handle: backend state for `combine` (opaque).
+    """
+
+    recv_x: torch.Tensor
+    recv_expert_offsets: torch.Tensor
+    recv_num_tokens_per_expert: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    handle: Any
+
+
+@dataclass(frozen=True)
+class RouteInput:
+    """Exactly one way of routing: precomputed (topk_idx, topk_weight), fp32 logits [T, E], or the
+    gate weight [E, D] (the fused router computes the logits from the hidden states)."""
+
+    topk_idx: torch.Tensor | None = None
+    topk_weight: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    gate_weight: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, v in (
+                ("topk", self.topk_idx),
+                ("logits", self.logits),
+                ("gate_weight", self.gate_weight),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise ConfigError(
+                f"dispatch needs exactly one of topk_idx/logits/gate_weight, got {given or 'none'}"
+            )
+        if (self.topk_idx is None) != (self.topk_weight is None):
+            raise ConfigError("topk_idx and topk_weight come together")
+
+    @property
+    def needs_router(self) -> bool:
+        return self.topk_idx is None
+
+
+class Communicator(ABC):
+    """One MoE layer's dispatch/combine. Create through a backend's `create`; end with `close()`.
+
+    Attributes:
+        layout: sizes and placement (fixed at construction).
+        router: how logits become choices (needed unless every dispatch passes topk).
+        expert_load: [El] int64 running count of rows received per local expert (a dashboard reads
+            it; updated on the device, never synchronised in the hot path).
+    """
+
+    layout: EpLayout
+    router: RouterConfig | None
+    expert_load: torch.Tensor
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        *,
+        topk_idx: torch.Tensor | None = None,
+        topk_weight: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+        gate_weight: torch.Tensor | None = None,
+    ) -> DispatchOutput:
+        """Send each (token, choice) row to its expert's owner; receive this rank's rows.
+
+        Args:
+            x: [T, D] hidden states, T <= layout.max_tokens_per_rank.
+            topk_idx, topk_weight: [T, K] precomputed routing (-1 in topk_idx: no expert), or
+            logits: [T, E] fp32, or gate_weight: [E, D] (then `router` scores them).
+
+        Raises:
+            ConfigError: shapes outside the layout, or no router for logits.
+            RankTimeoutError: (host path) a peer did not join within the timeout.
+        """
+        T = x.shape[0]
+        lay = self.layout
+        if x.dim() != 2 or x.shape[1] != lay.hidden:
+            raise ConfigError(f"dispatch got x {tuple(x.shape)}, layout expects [T, {lay.hidden}]")
+        if lay.max_tokens_per_rank < T:
+            raise ConfigError(
+                f"dispatch got {T} tokens, layout holds at most {lay.max_tokens_per_rank} per rank"
+            )
+        rin = RouteInput(topk_idx, topk_weight, logits, gate_weight)
+        if rin.needs_router and self.router is None:
+            raise ConfigError("dispatch from logits or gate weight needs a RouterConfig")
+        if rin.topk_idx is not None and rin.topk_idx.shape != (T, lay.top_k):
+            raise ConfigError(f"topk_idx {tuple(rin.topk_idx.shape)}, layout expects [{T}, {lay.top_k}]")
+        if self.router is not None and self.router.top_k != lay.top_k:
+            raise ConfigError(f"router top_k {self.router.top_k} differs from layout top_k {lay.top_k}")
+        return self._dispatch(x, rin)
+
+    def route_on_host(self, x: torch.Tensor, rin: RouteInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router in torch (what the fused kernel computes on the device)."""
+        if not rin.needs_router:
+            return rin.topk_idx.to(torch.int64), rin.topk_weight.float()
+        assert self.router is not None
+        logits = rin.logits if rin.logits is not None else gate_logits(x, rin.gate_weight)
+        return route(logits, self.router)
+
+    @abstractmethod
+    def _dispatch(self, x: torch.Tensor, rin: RouteInput) -> DispatchOutput: ...
+
+    @abstractmethod
+    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+        """Return each row's expert output to its source and reduce it there with router weights.
+
+        Args:
+            expert_out: [N, D] outputs in `dispatched.recv_x`'s packed order.
+            dispatched: this layer's `dispatch` result.
+
+        Returns:
+            [T, D] in the dtype of the dispatched x: sum_k topk_weight[t, k] * out(t, k).
+
+        Raises:
+            RankTimeoutError: (host path) a peer did not join within the timeout.
+        """
+
+    def check(self) -> None:  # noqa: B027 (optional hook: host-driven waits raise at once)
+        """Raise `RankTimeoutError` if a device-side wait expired (reads an error word: syncs)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free buffers and communication state. Idempotent."""
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def combine_reduce(recv: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """The source-side reduction both backends define: recv [T*K, D] rows by src_idx = t*K + k ->
+    [T, D] fp32 sum of topk_weight[t, k] * recv[t*K + k] over k with topk_idx[t, k] >= 0."""
+    T, K = topk_idx.shape
+    w = torch.where(topk_idx >= 0, topk_weight.float(), 0.0)  # [T, K]
+    return (recv.float().view(T, K, recv.shape[-1]) * w.unsqueeze(-1)).sum(1)

@@ -1,0 +1,102 @@
+"""Wire a model argument into a ready `Engine` on this rank (what the CLI and the jobs call).
+
+    engine = build_engine("smollm2", ctx, EngineConfig(kv_format="fp2"))
+
+Loads this rank's share of the weights (its experts only), binds each MoE layer's experts to the
+expert-parallel layer for the world, loads the tokenizer, and builds the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerodram.runtime.engine.engine import Engine, EngineConfig, StepStats
+from zerodram.runtime.loading.checkpoint import ModelSpec, RankModel, load_for_rank
+from zerodram.runtime.model.ep import make_expert_parallel
+from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer
+from zerodram.runtime.model.transformer import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(
+    rm: RankModel,
+    ctx: Any | None,
+    timer: PhaseTimer = NULL_TIMER,
+    *,
+    max_step_tokens: int = 256,
+    ep_backend: str | None = None,
+) -> Transformer:
+    """The rank's `Transformer`, its MoE layers bound to the world's expert parallelism.
+
+    Args:
+        ctx: the rank context (None: one process, all experts local).
+        max_step_tokens: the most tokens one step sends through a MoE layer (EP buffer sizing).
+        ep_backend: "torch", "nvshmem", "auto" (runtime/moe's layer) or "allgather" (stopgap).
+    """
+    rank, world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
+    e2r = rm.placement.expert_to_rank if rm.placement is not None else None
+
+    def make_ep(_layer_idx: int, experts: Any) -> Any:
+        return make_expert_parallel(
+            experts,
+            world_size,
+            rank,
+            timer,
+            ctx=ctx,
+            expert_to_rank=e2r,
+            top_k=rm.config.num_experts_per_tok,
+            max_tokens_per_rank=max_step_tokens,
+            backend=ep_backend,
+        )
+
+    return Transformer(rm.config, rm.weights, make_ep, timer)
+
+
+def build_engine(
+    model: str,
+    ctx: Any | None,
+    config: EngineConfig | None = None,
+    *,
+    dtype: str = "fp32",
+    num_experts: int | None = None,
+    seed: int = 0,
+    timer: PhaseTimer = NULL_TIMER,
+    on_step: Any = None,
+    ep_backend: str | None = None,
+) -> Engine:
+    """Load `model` (see `ModelSpec.parse`) for this rank and return its engine.
+
+    Raises:
+        ConfigError: bad model argument, checkpoint, or engine limits.
+    """
+    from zerodram.runtime.loading.tokenizer import Tokenizer
+
+    rank = getattr(ctx, "rank", 0)
+    world_size = getattr(ctx, "world_size", 1)
+    device = getattr(ctx, "device", torch.device("cpu"))
+    spec = ModelSpec.parse(model)
+    rm = load_for_rank(
+        spec,
+        rank,
+        world_size,
+        topology=getattr(ctx, "topology", None),
+        num_experts=num_experts,
+        dtype=DTYPES[dtype],
+        device=device,
+        seed=seed,
+    )
+    tokenizer = Tokenizer(rm.tokenizer_dir) if rm.tokenizer_dir is not None else None
+    config = config or EngineConfig()
+    model_ = build_model(
+        rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend
+    )
+    engine = Engine(model_, config, tokenizer=tokenizer, ctx=ctx, on_step=on_step)
+    engine.model_name = rm.name
+    engine._expert_to_rank = rm.placement.expert_to_rank if rm.placement is not None else None
+    return engine
+
+
+__all__ = ["Engine", "EngineConfig", "StepStats", "build_engine", "build_model"]

@@ -1,0 +1,266 @@
+"""`Engine`: one rank's serving loop: scheduler, KV partition, model step, sampler.
+
+    engine = Engine(model, EngineConfig(kv_format="bf16"), tokenizer=tok, ctx=ctx)
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=16))       # rank 0 gets results
+    for ev in engine.stream(prompts, params): ...                          # TokenEvents as they come
+
+With several ranks, `generate` / `stream` are collective: every rank calls them; rank 0's prompts
+are the ones served (other ranks pass anything, e.g. []), and only rank 0 gets results. The loop
+that keeps ranks in lockstep lives in `lockstep.py`; this module is the per-rank step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
+from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
+from zerodram.runtime.engine.sampler import make_generator, sample
+from zerodram.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.model.attention import PagedAttention
+from zerodram.runtime.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kv_format: "fp2", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens per rank.
+    cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md)."""
+
+    kv_format: str = "bf16"
+    num_kv_pages: int = 512
+    page_size: int = 32
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_pages < 1 or self.page_size < 1:
+            raise ConfigError(
+                f"num_kv_pages and page_size must be >= 1, got {self.num_kv_pages}, {self.page_size}"
+            )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did on this rank (the metrics module publishes these)."""
+
+    step_idx: int
+    num_decode: int
+    num_prefill_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    num_sampled: int
+    kv_stored_bytes: int
+    kv_bf16_bytes: int
+    seconds: float
+
+
+class Engine:
+    """One rank's engine. See the module docstring for the collective contract.
+
+    Args:
+        model: this rank's `Transformer` (its experts' EP layers already bound to the world).
+        config: KV partition and scheduler limits.
+        tokenizer: encodes str prompts and decodes outputs (optional: token-id prompts work without).
+        ctx: the rank context (None: a single process, no communication).
+        on_step: called with each step's `StepStats` (metrics hook; must be cheap).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: object | None = None,
+        ctx: object | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.ctx = ctx
+        self.rank = getattr(ctx, "rank", 0)
+        self.world_size = getattr(ctx, "world_size", 1)
+        self.on_step = on_step
+        mc = model.config
+        self.device = model.device
+        self.kv: KVPartition = make_kv_partition(
+            self.config.kv_format,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.config.num_kv_pages,
+            self.config.page_size,
+            model.dtype,
+            self.device,
+        )
+        self.attn = PagedAttention(self.kv, mc.head_dim**-0.5, getattr(self.kv, "decode_attention", None))
+        self.scheduler = Scheduler(self.kv, self.config.scheduler, self.device)
+        self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
+        eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_ids = frozenset(eos)
+        self._generators: dict[int, torch.Generator | None] = {}
+        self._next_id = 0
+        self.step_idx = 0
+        self.use_cuda_graphs = self.config.cuda_graphs and self.device.type == "cuda"
+
+    # --- observation ---------------------------------------------------------------------------
+
+    def attach_observer(self, timer: object, on_step: Callable[[StepStats], None] | None) -> None:
+        """Route phase timing / routing hooks to `timer` and step stats to `on_step` (metrics)."""
+        self.model.timer = timer
+        for layer in self.model.layers:
+            ep = getattr(layer, "ep", None)
+            if ep is not None and hasattr(ep, "timer"):
+                ep.timer = timer
+        self.on_step = on_step
+
+    @property
+    def expert_to_rank(self) -> tuple[int, ...] | None:
+        return getattr(self, "_expert_to_rank", None)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a text prompt needs a tokenizer; pass token ids or load one")
+            if chat:
+                return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, request_id: int, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A checked request (raises `RequestError`); limits are those of this rank's partition."""
+        return validate(
+            request_id,
+            prompt_ids,
+            params,
+            vocab_size=self.model.config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_seq_tokens=self.kv.num_pages * self.kv.page_size,
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request on this rank."""
+        self._generators[request.request_id] = make_generator(request.params, request.request_id, self.device)
+        self.scheduler.add(request)
+
+    def new_request_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """Schedule, run the model over the batch (even an empty one: MoE is collective), sample.
+
+        Returns this rank's events of the step: one per sampled token, finishing ones marked.
+        """
+        t0 = time.perf_counter()
+        self.model.timer.begin_step()
+        plan = self.scheduler.schedule()
+        logits = self.model.forward(plan.batch, self.attn)  # [N, V]
+        with self.model.timer.phase("sampling"):
+            tokens = sample(
+                logits,
+                [r.params for r in plan.sampled],
+                [self._generators[r.request_id] for r in plan.sampled],
+            )
+        events = []
+        for req, tok in zip(plan.sampled, tokens, strict=True):
+            req.output_ids.append(tok)
+            reason = None
+            if (tok in self.eos_ids and not req.params.ignore_eos) or tok in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self._generators.pop(req.request_id, None)
+            events.append(TokenEvent(req.request_id, tok, reason, rank=self.rank))
+        if self.on_step is not None:
+            self.on_step(
+                StepStats(
+                    self.step_idx,
+                    plan.batch.num_decode,
+                    plan.num_prefill_tokens,
+                    len(self.scheduler.running),
+                    len(self.scheduler.waiting),
+                    self.kv.num_pages - self.kv.num_free_pages(),
+                    self.kv.num_pages,
+                    len(tokens),
+                    *self.kv.stored_bytes(),
+                    time.perf_counter() - t0,
+                )
+            )
+        self.step_idx += 1
+        return events
+
+    # --- the Python API ------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+    ) -> Iterator[TokenEvent]:
+        """Serve `prompts` (rank 0's) and yield `TokenEvent`s as tokens are sampled (rank 0 only).
+
+        Request ids are the prompts' indices. Collective when world_size > 1.
+        """
+        from zerodram.runtime.engine.lockstep import ListSource, run_lockstep
+
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        items = []
+        for i, (p, sp) in enumerate(zip(prompts if self.rank == 0 else [], params, strict=False)):
+            try:
+                items.append((i, self.encode(p, chat), sp))
+            except ConfigError as err:
+                items.append((i, err, sp))
+        yield from run_lockstep(self, ListSource(items))
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        on_event: Callable[[TokenEvent], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Serve `prompts` to completion; rank 0 returns one `RequestOutput` per prompt, in order."""
+        tokens: dict[int, list[int]] = {}
+        done: dict[int, TokenEvent] = {}
+        for ev in self.stream(prompts, params, chat=chat):
+            if on_event is not None:
+                on_event(ev)
+            if ev.token_id is not None:
+                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+            if ev.finish_reason is not None:
+                done[ev.request_id] = ev
+        if self.rank != 0:
+            return []
+        outs = []
+        for i, p in enumerate(prompts):
+            ev = done[i]
+            ids = tokens.get(i, [])
+            text = self.tokenizer.decode(ids) if self.tokenizer is not None and ev.error is None else None
+            prompt_ids = p if isinstance(p, list) else []
+            outs.append(RequestOutput(i, prompt_ids, ids, ev.finish_reason, text, ev.error, ev.rank))
+        return outs

@@ -1,0 +1,184 @@
+"""Worker jobs of the engine: `serve` (JSON lines in, JSON lines out) and `demo`.
+
+    zerodram launch --topology local-cpu-4 -- serve --model smollm2 --input requests.jsonl
+    zerodram launch --topology local-cpu-4 -- demo            (what `zerodram demo` runs)
+
+serve: rank 0 reads one JSON object per line from --input (default stdin):
+    {"prompt": "text" | "prompt_ids": [ids], "params": {"max_tokens": 16, "temperature": 0.7,
+     "top_p": 0.9, "seed": 1, "stop_token_ids": [], "ignore_eos": false}, "chat": true, "id": any}
+and writes one JSON object per finished request to --output (default stdout):
+    {"id": ..., "text": ..., "token_ids": [...], "finish_reason": "stop"|"length"|"error",
+     "error": "..." (errors only), "num_prompt_tokens": n, "rank": owner rank}
+A malformed line gets an error line; the server carries on. Every rank runs the lockstep loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+from typing import Any
+
+from zerodram.runtime.engine.engine import EngineConfig
+from zerodram.runtime.engine.request import RequestError, SamplingParams
+from zerodram.runtime.engine.scheduler import SchedulerConfig
+from zerodram.runtime.errors import ConfigError
+
+KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = "fp2") -> None:
+    """The engine options shared by generate, serve and demo."""
+    p.add_argument("--model", default="smollm2", help="smollm2 | HF dir | file.gguf | random:NAME")
+    p.add_argument("--kv", choices=KV_FORMATS, default=default_kv, help="KV page format")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights / compute dtype")
+    p.add_argument("--experts", type=int, default=None, help="experts to slice a dense model into")
+    p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages per rank")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="running requests per rank")
+    p.add_argument("--max-step-tokens", type=int, default=256, help="tokens per step per rank")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per request per step")
+    p.add_argument("--ep-backend", default=None, help="auto | torch | nvshmem | allgather")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        kv_format=args.kv,
+        num_kv_pages=args.num_kv_pages,
+        page_size=args.page_size,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
+    )
+
+
+def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
+    """`build_engine` from parsed engine options; falls back to bf16 pages when FP2 is missing."""
+    from zerodram.runtime.engine.build import build_engine
+
+    try:
+        return build_engine(
+            args.model,
+            ctx,
+            engine_config(args),
+            dtype=args.dtype,
+            num_experts=args.experts,
+            ep_backend=args.ep_backend,
+            **kw,
+        )
+    except ConfigError as err:
+        if args.kv != "fp2" or "runtime/kv" not in str(err):
+            raise
+        if getattr(ctx, "rank", 0) == 0:
+            print(f"note: {err}; using bf16 KV pages", file=sys.stderr)
+        args.kv = "bf16"
+        return build_engine(
+            args.model,
+            ctx,
+            engine_config(args),
+            dtype=args.dtype,
+            num_experts=args.experts,
+            ep_backend=args.ep_backend,
+            **kw,
+        )
+
+
+class LineSource:
+    """Rank 0's JSON-lines request reader: a thread fills a queue; the step loop polls it."""
+
+    def __init__(self, engine: Any, stream: Any, out: Any) -> None:
+        self.engine, self.out = engine, out
+        self._q: queue.Queue = queue.Queue()
+        self._eof = threading.Event()
+        self._next = 0
+        self.keys: dict[int, Any] = {}
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="serve-input")
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        try:
+            for line in stream:
+                if line.strip():
+                    self._q.put(line)
+        finally:
+            self._eof.set()
+
+    def poll(self) -> list[tuple[int, Any, SamplingParams]]:
+        items = []
+        while True:
+            try:
+                line = self._q.get_nowait()
+            except queue.Empty:
+                return items
+            rid = self._next
+            self._next += 1
+            items.append(self._parse(rid, line))
+
+    def _parse(self, rid: int, line: str) -> tuple[int, Any, SamplingParams]:
+        try:
+            d = json.loads(line)
+            if not isinstance(d, dict):
+                raise RequestError("each line must be a JSON object")
+            self.keys[rid] = d.get("id", rid)
+            params = SamplingParams.from_dict(d.get("params", {}))
+            if "prompt_ids" in d:
+                return rid, list(d["prompt_ids"]), params
+            if not isinstance(d.get("prompt"), str):
+                raise RequestError('a request needs "prompt" (string) or "prompt_ids" (list of ints)')
+            return rid, self.engine.encode(d["prompt"], bool(d.get("chat", False))), params
+        except (json.JSONDecodeError, RequestError, ConfigError, TypeError, ValueError) as err:
+            self.keys.setdefault(rid, rid)
+            return rid, RequestError(f"bad request line: {err}"), SamplingParams()
+
+    @property
+    def closed(self) -> bool:
+        return self._eof.is_set() and self._q.empty()
+
+
+def serve(ctx: Any, argv: list[str]) -> int:
+    """The `serve` worker job (see the module docstring)."""
+    import torch
+
+    from zerodram.runtime.engine.lockstep import ListSource, run_lockstep
+
+    p = argparse.ArgumentParser(prog="serve", description="serve JSON-lines requests on every rank")
+    add_engine_args(p)
+    p.add_argument("--input", default="-", help="requests file (JSON lines; - = stdin), rank 0")
+    p.add_argument("--output", default="-", help="results file (JSON lines; - = stdout), rank 0")
+    args = p.parse_args(argv)
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(1)  # several ranks share few cores
+    engine = build_from_args(args, ctx)
+    if ctx.rank != 0:
+        for _ in run_lockstep(engine, ListSource([])):
+            pass
+        return 0
+    fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
+    fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
+    try:
+        source = LineSource(engine, fin, fout)
+        tokens: dict[int, list[int]] = {}
+        for ev in run_lockstep(engine, source):
+            if ev.token_id is not None:
+                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+            if ev.finish_reason is None:
+                continue
+            ids = tokens.pop(ev.request_id, [])
+            rec = {
+                "id": source.keys.get(ev.request_id, ev.request_id),
+                "finish_reason": ev.finish_reason,
+                "token_ids": ids,
+                "rank": ev.rank,
+            }
+            if ev.error is not None:
+                rec["error"] = ev.error
+            elif engine.tokenizer is not None:
+                rec["text"] = engine.tokenizer.decode(ids)
+            fout.write(json.dumps(rec) + "\n")
+            fout.flush()
+    finally:
+        if fin is not sys.stdin:
+            fin.close()
+        if fout is not sys.stdout:
+            fout.close()
+    return 0

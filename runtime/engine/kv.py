@@ -1,0 +1,173 @@
+"""The engine's view of a rank's KV partition, and a plain-torch paged implementation.
+
+Shape legend: Ly layers, P pages, S page size (tokens), Hkv KV heads, Dh head dim, L tokens.
+
+`KVPartition` is what the scheduler (capacity, admission) and attention (`KVStore`: write / read)
+need. `TorchPagedKV` stores K/V pages in bf16 or fp32 with a free-page list and per-sequence block
+tables; `make_kv_partition` prefers runtime/kv's paged cache (FP2 / bf16 / fp8 pages) when it is
+importable and adapts it, and falls back to `TorchPagedKV` for the full-precision formats.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from zerodram.runtime.errors import ConfigError, ZerodramError
+
+try:  # the KV module's error, so callers catch one class whichever cache is in use
+    from zerodram.runtime.kv.errors import KVCapacityError
+except ImportError:  # pragma: no cover - before runtime/kv landed
+
+    class KVCapacityError(ZerodramError):
+        """The KV partition has no free page for a sequence that needs one."""
+
+
+class KVPartition(Protocol):
+    page_size: int
+    num_pages: int
+    kv_format: str
+
+    def num_free_pages(self) -> int: ...
+
+    def pages_for(self, num_tokens: int) -> int: ...
+
+    def pages_held(self, seq_id: int) -> int: ...
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make room for `seq_id` to hold `num_tokens` tokens in all; raises KVCapacityError."""
+        ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def write(
+        self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None: ...
+
+    def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_TORCH_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+class TorchPagedKV:
+    """Paged K/V in a full-precision dtype; one page pool shared by all layers' block tables.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's.
+        num_pages, page_size: pool size (pages) and tokens per page.
+        kv_format: "bf16", "fp16" or "fp32".
+        compute_dtype: dtype `read` returns.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        kv_format: str = "bf16",
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if kv_format not in _TORCH_FORMATS:
+            raise ConfigError(
+                f"kv format {kv_format!r} needs runtime/kv; plain torch pages: {list(_TORCH_FORMATS)}"
+            )
+        self.page_size, self.num_pages, self.kv_format = page_size, num_pages, kv_format
+        self.compute_dtype = compute_dtype
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)  # [Ly, P, S, Hkv, Dh]
+        self.k_pages = torch.zeros(shape, dtype=_TORCH_FORMATS[kv_format], device=device)
+        # bytes of one page (K and V, all layers): what the dashboard's KV panel reports
+        self.page_bytes = 2 * num_layers * page_size * num_kv_heads * head_dim * self.k_pages.element_size()
+        self.v_pages = torch.zeros_like(self.k_pages)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def stored_bytes(self) -> tuple[int, int]:
+        """(bytes of the pages in use, the same pages in bf16)."""
+        used = self.num_pages - len(self._free)
+        return used * self.page_bytes, used * self.page_bytes * 2 // self.k_pages.element_size()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def pages_held(self, seq_id: int) -> int:
+        return len(self._tables.get(seq_id, ()))
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        table = self._tables.setdefault(seq_id, [])
+        need = self.pages_for(num_tokens) - len(table)
+        if need > len(self._free):
+            raise KVCapacityError(
+                f"sequence {seq_id} needs {need} more KV page(s) of {self.page_size} tokens, "
+                f"{len(self._free)} of {self.num_pages} free"
+            )
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(reversed(self._tables.pop(seq_id, [])))
+
+    def _slots(self, seq_id: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables[seq_id]
+        pos = torch.arange(start, start + n)
+        if start + n > len(table) * self.page_size:
+            raise KVCapacityError(f"sequence {seq_id}: position {start + n - 1} beyond its reserved pages")
+        pages = torch.tensor(table, dtype=torch.int64)[pos // self.page_size]
+        return pages.to(self.k_pages.device), (pos % self.page_size).to(self.k_pages.device)
+
+    def write(self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pages, offs = self._slots(seq_id, start_pos, k.shape[0])
+        self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)
+        self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)
+
+    def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pages, offs = self._slots(seq_id, 0, length)
+        k = self.k_pages[layer_idx, pages, offs]  # [L, Hkv, Dh]
+        v = self.v_pages[layer_idx, pages, offs]
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+
+def make_kv_partition(
+    kv_format: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_pages: int,
+    page_size: int,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+) -> KVPartition:
+    """The rank's KV partition in `kv_format` ("fp2", "fp8", "bf16", "fp16", "fp32").
+
+    fp2 / fp8 / bf16 use runtime/kv's paged caches (page size a multiple of 32); fp32 / fp16 (and
+    bf16 when runtime/kv is unavailable) use `TorchPagedKV`.
+
+    Raises:
+        ConfigError: the format needs runtime/kv and it is not available, or a bad page size.
+    """
+    if kv_format in ("fp32", "fp16"):
+        return TorchPagedKV(
+            num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
+        )
+    try:
+        from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
+
+        return RuntimeKVPartition(
+            kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device
+        )
+    except ImportError as err:
+        if kv_format == "bf16":
+            return TorchPagedKV(
+                num_layers, num_kv_heads, head_dim, num_pages, page_size, "bf16", compute_dtype, device
+            )
+        raise ConfigError(
+            f"kv format {kv_format!r} needs runtime/kv, which is not importable: {err}"
+        ) from None

@@ -1,0 +1,115 @@
+"""Adapts runtime/kv's paged caches (one `KVCache` per layer, FP2 / bf16 / fp8 pages) to the
+engine's `KVPartition`.
+
+Shape legend: n tokens of a sequence, Hkv KV heads, Dh head dim.
+
+runtime/kv allocates pages lazily as tokens are appended, per layer; the scheduler reserves a
+request's whole budget (prompt + max_tokens) at admission. This adapter keeps the reservation
+ledger on top: a reservation never exceeds what every layer's pool can still give, so appends of
+admitted requests cannot fail. Every layer sees the same appends, so their pools move together.
+Writes are appends: attention writes each sequence's tokens in position order (decode token, or
+a prefill chunk after its attention), which the adapter checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerodram.runtime.errors import ZerodramError
+from zerodram.runtime.kv.errors import KVCapacityError
+
+
+class RuntimeKVPartition:
+    """A rank's KV partition over runtime/kv caches, one per layer (see module docstring)."""
+
+    def __init__(
+        self,
+        kv_format: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        from zerodram.runtime.kv.cache import make_kv_cache
+
+        self.kv_format, self.num_pages, self.compute_dtype = kv_format, num_pages, compute_dtype
+        max_seqs = min(num_pages, 256)
+        self.caches = [
+            make_kv_cache(
+                kv_format,
+                num_pages=num_pages,
+                page_size=page_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                max_seqs=max_seqs,
+                device=device,
+                layer_idx=i,
+            )
+            for i in range(num_layers)
+        ]
+        self.page_size = self.caches[0].page_size
+        bits = self.caches[0].bits_per_elem(self.page_size)
+        self.page_bytes = int(2 * num_layers * self.page_size * num_kv_heads * head_dim * bits / 8)
+        self._reserved: dict[int, int] = {}  # seq_id -> pages reserved
+        self._slots: dict[int, list[int]] = {}  # seq_id -> the cache's sequence id, per layer
+
+    def stored_bytes(self) -> tuple[int, int]:
+        """(bytes the live tokens take in this format, bytes they would take in bf16), all layers.
+
+        From the format's all-inclusive bits per element at each sequence's length (FP2 keeps a
+        recent window in full precision, so short sequences save little).
+        """
+        c0 = self.caches[0]
+        elems = 2 * len(self.caches) * c0.num_kv_heads * c0.head_dim  # K and V, every layer
+        used = bf16 = 0
+        for slots in self._slots.values():
+            n = c0.seq_len(slots[0])
+            if n:
+                used += int(c0.bits_per_elem(n) * n * elems / 8)
+                bf16 += 2 * n * elems
+        return used, bf16
+
+    def num_free_pages(self) -> int:
+        return self.num_pages - sum(self._reserved.values())
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def pages_held(self, seq_id: int) -> int:
+        return self._reserved.get(seq_id, 0)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        need = self.pages_for(num_tokens) - self._reserved.get(seq_id, 0)
+        if need > self.num_free_pages():
+            raise KVCapacityError(
+                f"sequence {seq_id} needs {need} more KV page(s) of {self.page_size} tokens, "
+                f"{self.num_free_pages()} of {self.num_pages} free"
+            )
+        if seq_id not in self._slots:
+            self._slots[seq_id] = [c.new_sequence() for c in self.caches]
+        self._reserved[seq_id] = self._reserved.get(seq_id, 0) + max(need, 0)
+
+    def free(self, seq_id: int) -> None:
+        for cache, slot in zip(self.caches, self._slots.pop(seq_id, ()), strict=False):
+            cache.free(slot)
+        self._reserved.pop(seq_id, None)
+
+    def write(self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        cache, slot = self.caches[layer_idx], self._slots[seq_id][layer_idx]
+        have = cache.seq_len(slot)
+        if start_pos != have:
+            raise ZerodramError(
+                f"layer {layer_idx} sequence {seq_id}: write at position {start_pos}, "
+                f"cache holds {have} tokens "
+                "(runtime/kv caches are append-only)"
+            )
+        cache.append(slot, k, v)
+
+    def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.caches[layer_idx].gather(self._slots[seq_id][layer_idx])  # [n, Hkv, Dh] fp32
+        return k[:length].to(self.compute_dtype), v[:length].to(self.compute_dtype)

@@ -1,0 +1,191 @@
+"""The paged KV cache interface and its factory; one cache object holds one layer.
+
+Dimensions: T tokens appended in one call, H KV heads, D head dim, P page size, n sequence length.
+
+Formats (chosen once, at construction): 'fp2' (docs/fp2-format.md), 'bf16', 'fp8' (e4m3, scale 1).
+Every format shares the page allocator and block tables; only the page contents differ.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.allocator import BlockTables, PageAllocator
+from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.quantize import check_finite
+
+
+class KVCache(ABC):
+    """One layer's paged KV cache for up to `max_seqs` sequences.
+
+    Args:
+        num_pages: size of the page pool (shared by all sequences).
+        page_size: tokens per page (multiple of 32).
+        num_kv_heads, head_dim: shape of one token's K (and V).
+        max_seqs: sequence slots; max_pages_per_seq bounds the block table width.
+        device: where every tensor of the cache lives; inputs must be there too.
+    """
+
+    format: str = ""
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seqs: int = 8,
+        max_pages_per_seq: int | None = None,
+        device: torch.device | str = "cpu",
+        layer_idx: int = 0,
+    ) -> None:
+        if page_size <= 0 or page_size % 32:
+            raise ConfigError(f"page size must be a positive multiple of 32, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.layer_idx = layer_idx
+        self.allocator = PageAllocator(num_pages)
+        self.tables = BlockTables(max_seqs, max_pages_per_seq or num_pages)
+
+    # -- sequence lifetime --
+    def new_sequence(self) -> int:
+        """Open an empty sequence; returns its id. Raises KVCapacityError when no slot is free."""
+        sid = self.tables.open()
+        self._reset_slot(sid)
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's pages and slot."""
+        self.allocator.release(self.tables.close(seq_id))
+
+    def seq_len(self, seq_id: int) -> int:
+        self.tables.check(seq_id)
+        return self.tables.lens[seq_id]
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence holding a copy of `seq_id` (pages copied, not shared).
+
+        Raises:
+            KVCapacityError: not enough free pages or slots (nothing changes).
+        """
+        self.tables.check(seq_id)
+        src = self.tables.pages[seq_id]
+        pages = self.allocator.allocate(len(src))
+        try:
+            sid = self.tables.open()
+        except Exception:
+            self.allocator.release(pages)
+            raise
+        self.tables.pages[sid] = pages
+        self.tables.lens[sid] = self.tables.lens[seq_id]
+        for s, d in zip(src, pages, strict=True):
+            self._copy_page(s, d)
+        self._copy_slot(seq_id, sid)
+        return sid
+
+    # -- writing --
+    def append(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append T tokens (T = 1 for decode, a prefill chunk otherwise). k, v: [T, H, D].
+
+        Token by token and as one chunk give identical cache contents.
+
+        Raises:
+            KVInputError: unknown sequence, wrong shape / dtype / device, NaN or Inf (nothing written).
+            KVCapacityError: the page pool cannot hold the new tokens (nothing written).
+        """
+        self.tables.check(seq_id)
+        self._check_input(k, "K")
+        self._check_input(v, "V")
+        if k.shape != v.shape:
+            raise KVInputError(f"K has shape {tuple(k.shape)} but V has {tuple(v.shape)}")
+        pos0 = self.tables.lens[seq_id]
+        check_finite(k, what="K", layer_idx=self.layer_idx, pos0=pos0)
+        check_finite(v, what="V", layer_idx=self.layer_idx, pos0=pos0)
+        need = self._pages_needed(pos0, k.shape[0]) - len(self.tables.pages[seq_id])
+        if need > 0:
+            if need > self.allocator.num_free:
+                self.allocator.allocate(need)  # raises KVCapacityError, takes nothing
+            self._check_table_width(seq_id, need)
+            self.tables.pages[seq_id].extend(self.allocator.allocate(need))
+        self._write(seq_id, pos0, k, v)
+        self.tables.lens[seq_id] = pos0 + k.shape[0]
+
+    def _check_table_width(self, seq_id: int, need: int) -> None:
+        from zerodram.runtime.kv.errors import KVCapacityError
+
+        have = len(self.tables.pages[seq_id])
+        if have + need > self.tables.max_pages_per_seq:
+            raise KVCapacityError(
+                f"sequence {seq_id} would need {have + need} pages, the block table holds "
+                f"{self.tables.max_pages_per_seq}"
+            )
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise KVInputError(f"{what} must be a tensor, got {type(x).__name__}")
+        if x.dim() != 3 or tuple(x.shape[1:]) != (self.num_kv_heads, self.head_dim):
+            raise KVInputError(
+                f"{what} must be [T, {self.num_kv_heads}, {self.head_dim}] (tokens, KV heads, head dim), "
+                f"got {tuple(x.shape)}"
+            )
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise KVInputError(f"{what} must be fp32, bf16 or fp16, got {x.dtype}")
+        if x.device != self.device:
+            raise KVInputError(f"{what} is on {x.device} but the cache lives on {self.device}")
+
+    # -- reading --
+    @abstractmethod
+    def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of a sequence read back, dequantized: (K, V), each fp32 [n, H, D]."""
+
+    @abstractmethod
+    def bits_per_elem(self, ctx: int) -> float:
+        """All-inclusive storage bits per element at context `ctx` (see format.bits_per_elem)."""
+
+    # -- format hooks --
+    @abstractmethod
+    def _pages_needed(self, pos0: int, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def _write(self, seq_id: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _copy_page(self, src: int, dst: int) -> None: ...
+
+    def _reset_slot(self, seq_id: int) -> None:
+        """Clear per-slot storage (the FP2 high-precision region); none by default."""
+        return
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Copy per-slot storage on fork; none by default."""
+        return
+
+
+def make_kv_cache(format: str = "fp2", **kwargs) -> KVCache:
+    """A paged cache of the given format.
+
+    format: 'bf16', 'fp8', or an FP2 spec string ('fp2' or 'fp2:...', see format.parse_kv_spec).
+    kwargs: those of KVCache; FP2 also takes `params=(k_params, v_params)` (SideParams of this
+    layer, default: uncalibrated constants from the spec).
+
+    Raises:
+        ConfigError: unknown format, or an FP2 option the paged cache does not support.
+    """
+    from zerodram.runtime.kv.dense_cache import DenseKVCache
+    from zerodram.runtime.kv.format import DenseSpec, Fp2Spec, parse_kv_spec
+    from zerodram.runtime.kv.fp2_cache import Fp2KVCache
+
+    spec = parse_kv_spec(format).spec
+    if isinstance(spec, DenseSpec) and spec.dtype in ("bf16", "fp8"):
+        return DenseKVCache(dtype=spec.dtype, **kwargs)
+    if isinstance(spec, Fp2Spec):
+        kwargs.setdefault("page_size", spec.page_size)
+        return Fp2KVCache(spec=spec, **kwargs)
+    raise ConfigError(f"no paged cache for format {format!r} (bf16, fp8, fp2[:...])")

@@ -1,0 +1,193 @@
+"""The paged FP2 cache (layout of docs/fp2-format.md, "Physical layout").
+
+Dimensions: T tokens, H KV heads, D head dim, P page size, S sinks, F tail capacity, BS block size.
+
+Writes go to the bf16 high-precision region first: sinks, then the tail. When the tail holds
+W + F tokens (window W, flush F) its oldest F are *flushed*: quantized in one go into the next F rows
+of the sequence's FP2 pages, and the remaining W rows move up. Because every quantization reads the
+same bf16 tail rows, appending token by token and appending a chunk produce identical pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.cache import KVCache
+from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
+from zerodram.runtime.kv.pack import pack_codes, unpack_codes
+from zerodram.runtime.kv.params import side_params
+from zerodram.runtime.kv.quantize import (
+    SideParams,
+    _block_view,
+    _unblock,
+    dequantize_blocks,
+    from_stored_space,
+    quantize_blocks,
+    to_stored_space,
+)
+from zerodram.runtime.kv.scales import decode_scale, encode_scale
+
+
+class _SidePages:
+    """Page storage of one side (K or V)."""
+
+    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device) -> None:
+        self.side = side
+        bs = side.block_size
+        self.codes = torch.zeros(num_pages, H, P, D // 16, dtype=torch.int32, device=device)  # [pages, H, P, D/16]
+        sshape = (num_pages, H, P, D // bs) if side.block_axis == "channel" else (num_pages, H, P // bs, D)
+        sdt = {"e4m3": torch.uint8, "e8m0": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
+        self.scales = torch.zeros(sshape, dtype=sdt[side.scale_dtype], device=device)
+        self.offsets = torch.zeros(sshape, dtype=torch.bfloat16, device=device) if side.asymmetric else None
+
+    def copy(self, src: int, dst: int) -> None:
+        self.codes[dst] = self.codes[src]
+        self.scales[dst] = self.scales[src]
+        if self.offsets is not None:
+            self.offsets[dst] = self.offsets[src]
+
+
+class Fp2KVCache(KVCache):
+    """FP2 pages plus a bf16 region of S + F rows per sequence slot.
+
+    Args:
+        spec: the FP2 format (page size taken from the cache arguments; must equal spec.page_size
+            or divide by the tail).
+        params: (k_params, v_params) SideParams of this layer; default: uncalibrated constants.
+    """
+
+    format = "fp2"
+
+    def __init__(self, *, spec: Fp2Spec, params: tuple[SideParams, SideParams] | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name, side in (("k", spec.k), ("v", spec.v)):
+            if side.outlier_frac > 0 or side.pre_rope:
+                raise ConfigError(f"the paged FP2 cache does not support outliers or pre-RoPE ({name})")
+            if side.block_axis == "channel" and self.head_dim % side.block_size:
+                raise ConfigError(f"{name} channel blocks of {side.block_size} do not divide head dim {self.head_dim}")
+        if self.page_size % spec.tail_tokens:
+            raise ConfigError(f"tail of {spec.tail_tokens} tokens must divide the page size {self.page_size}")
+        if self.head_dim % 16:
+            raise ConfigError(f"head dim {self.head_dim} is not a multiple of 16 codes per word")
+        self.spec = spec
+        H, D, P, dev = self.num_kv_heads, self.head_dim, self.page_size, self.device
+        if params is None:
+            kw = {"layer_idx": self.layer_idx, "num_kv_heads": H, "head_dim": D, "spec": spec}
+            params = (side_params(spec.k, name="k", **kw), side_params(spec.v, name="v", **kw))
+        self.params = tuple(
+            SideParams(
+                levels=p.levels.to(dev),
+                anchor=p.anchor.to(dev),
+                rotation=None if p.rotation is None else p.rotation.to(dev),
+                weights=None if p.weights is None else p.weights.to(dev),
+            )
+            for p in params
+        )
+        self.k = _SidePages(spec.k, self.num_pages, H, P, D, dev)
+        self.v = _SidePages(spec.v, self.num_pages, H, P, D, dev)
+        self.rule = tail_rule(spec)
+        rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
+        n_slots = self.tables.max_seqs
+        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots, H, S + F, D]
+        self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
+
+    # -- accounting --
+    def _flushed(self, n: int) -> int:
+        """FP2 tokens of a sequence of n tokens."""
+        return self.rule.num_quantized(n)
+
+    def _pages_needed(self, pos0: int, num_tokens: int) -> int:
+        return -(-self._flushed(pos0 + num_tokens) // self.page_size)
+
+    def bits_per_elem(self, ctx: int) -> float:
+        return bits_per_elem(self.spec, ctx, self.head_dim)
+
+    # -- writing --
+    def _write(self, seq_id, pos0, k, v):
+        S, F = self.spec.num_sinks, self.spec.tail_tokens
+        yk = to_stored_space(k, self.params[0]).to(torch.bfloat16)  # [T, H, D]
+        yv = to_stored_space(v, self.params[1]).to(torch.bfloat16)
+        n = pos0
+        for j in range(k.shape[0]):
+            row = n if n < S else S + (n - S - self._flushed(n))
+            self.hp_k[seq_id, :, row] = yk[j]
+            self.hp_v[seq_id, :, row] = yv[j]
+            n += 1
+            if self._flushed(n) > self._flushed(n - 1):
+                self._flush(seq_id, S + self._flushed(n - 1))
+                tail = self.rule.window  # rows left after the flush
+                for hp in (self.hp_k, self.hp_v):
+                    hp[seq_id, :, S : S + tail] = hp[seq_id, :, S + F : S + F + tail].clone()
+
+    def _flush(self, seq_id: int, first: int) -> None:
+        """Quantize the oldest F tail rows (tokens first..first+F-1) into the FP2 pages."""
+        S, F = self.spec.num_sinks, self.spec.tail_tokens
+        j = first - S  # index among FP2 tokens
+        page = self.tables.pages[seq_id][j // self.page_size]
+        r0 = j % self.page_size
+        for pages, hp, side, params in (
+            (self.k, self.hp_k, self.spec.k, self.params[0]),
+            (self.v, self.hp_v, self.spec.v, self.params[1]),
+        ):
+            y = hp[seq_id, :, S : S + F].float().transpose(0, 1)  # [F, H, D]
+            w = None
+            if side.scale_rule == "wmse" and params.weights is not None:
+                w = _block_view(torch.broadcast_to(params.weights, y.shape).contiguous(), side)
+            rule = "mse" if side.scale_rule == "wmse" and w is None else side.scale_rule
+            codes, scales, offsets = quantize_blocks(
+                _block_view(y, side), params.levels, rule=rule, scale_dtype=side.scale_dtype,
+                asymmetric=side.asymmetric, weights=w,
+            )
+            codes = _unblock(codes, side, y.shape)  # [F, H, D]
+            pages.codes[page, :, r0 : r0 + F] = pack_codes(codes).transpose(0, 1)
+            if side.block_axis == "channel":
+                dst = (page, slice(None), slice(r0, r0 + F))
+            else:
+                bs = side.block_size
+                dst = (page, slice(None), slice(r0 // bs, (r0 + F) // bs))
+            pages.scales[dst] = encode_scale(scales, side.scale_dtype).transpose(0, 1)
+            if pages.offsets is not None:
+                pages.offsets[dst] = offsets.to(torch.bfloat16).transpose(0, 1)
+
+    def _copy_page(self, src, dst):
+        self.k.copy(src, dst)
+        self.v.copy(src, dst)
+
+    def _reset_slot(self, seq_id):
+        self.hp_k[seq_id].zero_()
+        self.hp_v[seq_id].zero_()
+
+    def _copy_slot(self, src, dst):
+        self.hp_k[dst] = self.hp_k[src]
+        self.hp_v[dst] = self.hp_v[src]
+
+    # -- reading --
+    def _read_side(self, seq_id: int, pages: _SidePages, hp: torch.Tensor, params: SideParams) -> torch.Tensor:
+        n = self.seq_len(seq_id)
+        S = self.spec.num_sinks
+        n_fp2 = self._flushed(n)
+        side = pages.side
+        parts = [hp[seq_id, :, : min(n, S)].float().transpose(0, 1)]  # sinks [<=S, H, D]
+        if n_fp2:
+            idx = torch.tensor(self.tables.pages[seq_id], dtype=torch.long, device=self.device)
+            codes = unpack_codes(pages.codes[idx]).transpose(1, 2)  # [pages, P, H, D]
+            codes = codes.reshape(-1, self.num_kv_heads, self.head_dim)[:n_fp2]
+            raw = pages.scales[idx]
+            sc = decode_scale(raw, side.scale_dtype).transpose(1, 2)  # [pages, P or P/BS, H, ...]
+            sc = sc.reshape(-1, *sc.shape[2:])
+            off = None
+            if pages.offsets is not None:
+                off = pages.offsets[idx].float().transpose(1, 2).reshape(sc.shape)
+            nb = n_fp2 if side.block_axis == "channel" else n_fp2 // side.block_size
+            y = dequantize_blocks(_block_view(codes, side), sc[:nb], None if off is None else off[:nb], params.levels)
+            parts.append(_unblock(y, side, codes.shape))
+        n_tail = max(0, n - S - n_fp2)
+        parts.append(hp[seq_id, :, S : S + n_tail].float().transpose(0, 1))
+        return from_stored_space(torch.cat(parts), params)
+
+    def gather(self, seq_id):
+        return (
+            self._read_side(seq_id, self.k, self.hp_k, self.params[0]),
+            self._read_side(seq_id, self.v, self.hp_v, self.params[1]),
+        )

@@ -1,0 +1,110 @@
+"""Per-layer FP2 constants (levels, anchors, rotation, error weights) from calibration statistics.
+
+Dimensions: T tokens, H KV heads, D head dim.
+
+Anchors are chosen for the error of the query-key *scores*, not of K: quantizing y = k / a with a
+common block scale gives an error variance ~ mean_c(k_c^2 / a_c^2) per channel, weighted by
+q_c^2 a_c^2 in the score (q is multiplied by a). Minimising sum_c E[q_c^2] a_c^2 * mean_c(E[k_c^2]
+/ a_c^2) gives a_c = (rms_k_c / rms_q_c)^(1/2) ('score'). Whitening K (a_c = rms_k_c, 'rms') is
+the naive anchor that the calibration note found harmful. 'none' is one scalar per head (rms of
+the head), so that block scales sit near 1 where E4M3 is most precise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec
+from zerodram.runtime.kv.levels import fit_lloyd_max, named_levels, round_levels_e5m2
+from zerodram.runtime.kv.quantize import SideParams, _block_view, quantize_blocks, to_stored_space
+from zerodram.runtime.kv.rotation import layer_seed, rotation_matrix
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    """Calibration tensors of one layer (fp32, CPU). k_pre is None unless the model has RoPE.
+
+    q: [T, H, G, D] queries grouped by KV head (G = query heads per KV head);
+    k, v: [T, H, D] keys (post-RoPE) and values; k_pre: [T, H, D] keys before RoPE.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_pre: torch.Tensor | None = None
+    k_pre: torch.Tensor | None = None
+
+
+def _rms(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.float().pow(2).mean(dims).sqrt().clamp_min(1e-6)
+
+
+def side_params(
+    side: Fp2TensorSpec,
+    *,
+    name: str,
+    layer_idx: int,
+    num_kv_heads: int,
+    head_dim: int,
+    spec: Fp2Spec,
+    sample: LayerSample | None = None,
+) -> SideParams:
+    """Constants of one side ('k' or 'v') of one layer.
+
+    Without a calibration sample: anchors are 1 and 'cal' levels fall back to Lloyd-Max.
+    """
+    rot = None
+    if side.rotate:
+        rot = rotation_matrix(head_dim, layer_seed(spec.seed, layer_idx, name, spec.per_layer_rotation))
+    anchor = torch.ones(num_kv_heads, head_dim)
+    weights = None
+    levels = named_levels("lm" if side.levels == "cal" else side.levels)
+    if sample is None:
+        return SideParams(levels=levels, anchor=anchor, rotation=rot)
+    x = sample.v if name == "v" else (sample.k_pre if side.pre_rope else sample.k)
+    q = sample.q_pre if side.pre_rope else sample.q
+    if x is None or q is None:
+        raise ValueError("pre-RoPE keys requested but the calibration sample has none")
+    center = x.float().mean(0) if side.center else None  # [H, D]
+    xc = x.float() - center if center is not None else x.float()
+    xr = xc @ rot if rot is not None else xc  # [T, H, D]
+    qr = q.float() @ rot if rot is not None and name == "k" else q.float()  # [T, H, G, D]
+    x_rms = _rms(xr, (0,))  # [H, D]
+    q_rms = _rms(qr, (0, 2))  # [H, D]
+    if name == "k" and side.anchor == "score":
+        a = (x_rms / q_rms).sqrt()
+    elif side.anchor == "rms":
+        a = x_rms
+    else:
+        a = torch.ones_like(x_rms)
+    # Normalise so that y = x / a has unit RMS per head.
+    a = a * _rms(xr / a, (0, 2))[:, None]
+    anchor = a
+    if name == "k":
+        weights = (q_rms * anchor).pow(2)
+        weights = weights / weights.mean(-1, keepdim=True)
+    params = SideParams(levels=levels, anchor=anchor, rotation=rot, weights=weights, center=center)
+    if side.levels == "cal":
+        params = SideParams(
+            levels=calibrate_levels(x, side, params), anchor=anchor, rotation=rot, weights=weights, center=center
+        )
+    return params
+
+
+def calibrate_levels(x: torch.Tensor, side: Fp2TensorSpec, params: SideParams, rounds: int = 4) -> torch.Tensor:
+    """Lloyd-Max levels fitted to x [T, H, D] in units of its block scales, alternating with the
+    scale choice; returned e5m2-exact. # [4]"""
+    y = to_stored_space(x, params)
+    T = y.shape[0] - y.shape[0] % side.block_size
+    yb = _block_view(y[:T].contiguous(), side)
+    levels = params.levels
+    for _ in range(rounds):
+        _, scales, _ = quantize_blocks(
+            yb, levels, rule="mse" if side.scale_rule == "wmse" else side.scale_rule, scale_dtype="fp32"
+        )
+        z = yb / scales[..., None]
+        levels = fit_lloyd_max(z, levels * 1.0)
+        levels = round_levels_e5m2(levels)
+    return levels

@@ -1,0 +1,240 @@
+"""FP2 quantize / dequantize in plain torch (CPU or GPU): the reference the CUDA kernel matches.
+
+Dimensions: T tokens, H KV heads, D head dim, NB blocks, BS block size, C scale candidates.
+
+Stored value of element (t, h, c), in the rotated space (docs/fp2-format.md):
+    x_rot[t, h, :] = x[t, h, :] @ R                       (R orthogonal, or identity)
+    y[t, h, c]     = x_rot[t, h, c] / anchor[h, c]         (coarse tier, per channel)
+    y_hat          = scale[block] * levels[code] + offset[block]   (fine tier, per block)
+    x_hat[t, h, :] = (anchor[h, :] * y_hat[t, h, :]) @ R^T
+Outliers (optional) replace y_hat at their positions with their bf16 value of y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.format import Fp2TensorSpec, ScaleDtype, ScaleRule
+from zerodram.runtime.kv.levels import gaussian_rms_factor, nearest_code
+from zerodram.runtime.kv.scales import round_scale
+
+# Candidate scales of the MSE search, as fractions of absmax / max|level|.
+MSE_FRACTIONS = torch.linspace(0.2, 1.0, 33)
+_CHUNK_ELEMS = 1 << 21  # bound the [C, NB, BS] search temporaries
+
+
+@dataclass(frozen=True)
+class SideParams:
+    """Per-layer constants of one side (K or V); all on the device of the data.
+
+    levels: [4] e5m2-exact, sorted. anchor: [H, D] fp32, > 0. rotation: [D, D] or None.
+    weights: [H, D] per-channel error weights for the 'wmse' rule (E[q^2] in the stored space).
+    center: [H, D] static per-channel mean subtracted before rotation (original space), or None.
+    Subtracting one vector from every key leaves every score row shifted by a constant, so
+    softmax ignores it; for values it is added back to the attention output.
+    """
+
+    levels: torch.Tensor
+    anchor: torch.Tensor
+    rotation: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    center: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Fp2Tokens:
+    """Quantized tokens of one side. codes: [T, H, D] uint8 in [0, 3].
+
+    scales / offsets: [T, H, D // BS] ('channel' blocks) or [T // BS, H, D] ('token' blocks),
+    fp32 values exactly representable in the scale dtype; offsets None unless asymmetric.
+    outlier_mask: [T, H, D] bool or None; outlier_values: [T, H, D] fp32 (bf16-exact) or None.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    outlier_mask: torch.Tensor | None = None
+    outlier_values: torch.Tensor | None = None
+
+
+def check_finite(x: torch.Tensor, *, what: str, layer_idx: int, pos0: int = 0) -> None:
+    """Raise KVInputError naming layer, head and position of the first NaN/Inf in x [T, H, D]."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        t, h, c = (int(i) for i in bad.nonzero()[0])
+        raise KVInputError(
+            f"non-finite {what} value {float(x[t, h, c])} at layer {layer_idx}, KV head {h}, "
+            f"position {pos0 + t}, channel {c}; nothing was written"
+        )
+
+
+def _block_view(y: torch.Tensor, spec: Fp2TensorSpec) -> torch.Tensor:
+    """[T, H, D] -> [..., NB, BS] view with blocks along the chosen axis."""
+    T, H, D = y.shape
+    bs = spec.block_size
+    if spec.block_axis == "channel":
+        if D % bs:
+            raise KVInputError(f"head dim {D} is not a multiple of the channel block size {bs}")
+        return y.reshape(T, H, D // bs, bs)
+    if T % bs:
+        raise KVInputError(f"{T} tokens are not a multiple of the token block size {bs}")
+    return y.reshape(T // bs, bs, H, D).permute(0, 2, 3, 1)  # [T/BS, H, D, BS]
+
+
+def _unblock(yb: torch.Tensor, spec: Fp2TensorSpec, shape: torch.Size) -> torch.Tensor:
+    if spec.block_axis == "channel":
+        return yb.reshape(shape)
+    return yb.permute(0, 3, 1, 2).reshape(shape)
+
+
+def _search_scales(
+    y: torch.Tensor, w: torch.Tensor, levels: torch.Tensor, s0: torch.Tensor, dtype: ScaleDtype
+) -> torch.Tensor:
+    """Per block, the candidate scale (rounded to `dtype`) of least weighted squared error.
+
+    y, w: [NB, BS]; s0: [NB] absmax / max|level|. Returns [NB].
+    """
+    fr = MSE_FRACTIONS.to(y.device)
+    out = torch.empty_like(s0)
+    step = max(1, _CHUNK_ELEMS // (y.shape[1] * fr.numel()))
+    for i in range(0, y.shape[0], step):
+        yc, wc = y[i : i + step], w[i : i + step]
+        cand = round_scale(s0[i : i + step, None] * fr, dtype)  # [nb, C]
+        z = yc[:, None, :] / cand[..., None]  # [nb, C, BS]
+        deq = levels[nearest_code(z, levels).long()] * cand[..., None]
+        err = ((yc[:, None, :] - deq).pow(2) * wc[:, None, :]).sum(-1)  # [nb, C]
+        out[i : i + step] = cand.gather(1, err.argmin(1, keepdim=True))[:, 0]
+    return out
+
+
+def quantize_blocks(
+    yb: torch.Tensor,
+    levels: torch.Tensor,
+    *,
+    rule: ScaleRule,
+    scale_dtype: ScaleDtype,
+    asymmetric: bool = False,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize blocks of normalised values. yb: [..., BS] fp32; weights broadcastable to yb.
+
+    Returns (codes uint8 [..., BS], scales [...], offsets [...] or None). Elements of zero weight
+    (sparse outliers) do not influence the scale.
+    """
+    shape = yb.shape
+    y = yb.reshape(-1, shape[-1]).float()
+    w = torch.ones_like(y) if weights is None else torch.broadcast_to(weights, shape).reshape(y.shape).float()
+    live = w > 0
+    offsets = None
+    if asymmetric:
+        hi = torch.where(live, y, -torch.inf).amax(-1)
+        lo = torch.where(live, y, torch.inf).amin(-1)
+        mid = torch.where(torch.isfinite(hi), (hi + lo) / 2, 0.0)
+        offsets = mid.to(torch.bfloat16).float()  # stored as bf16 (offsets carry sign)
+        y = y - offsets[:, None]
+    lmax = float(levels.abs().max())
+    absmax = torch.where(live, y.abs(), 0.0).amax(-1)
+    s0 = absmax / lmax
+    if rule == "absmax":
+        scales = round_scale(s0, scale_dtype)
+    elif rule == "rms":
+        rms = ((y * y * live).sum(-1) / live.sum(-1).clamp_min(1)).sqrt()
+        scales = round_scale(rms * gaussian_rms_factor(levels.cpu()), scale_dtype)
+    else:
+        scales = _search_scales(y, w, levels, s0, scale_dtype)
+    codes = nearest_code(y / scales[:, None], levels)
+    codes = codes.reshape(shape)
+    scales = scales.reshape(shape[:-1])
+    return codes, scales, None if offsets is None else offsets.reshape(shape[:-1])
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, levels: torch.Tensor
+) -> torch.Tensor:
+    """codes [..., BS], scales/offsets [...] -> values [..., BS] fp32."""
+    y = levels.to(scales.device)[codes.long()] * scales[..., None]
+    return y if offsets is None else y + offsets[..., None]
+
+
+def to_stored_space(x: torch.Tensor, params: SideParams) -> torch.Tensor:
+    """x [T, H, D] -> y = ((x - center) @ R) / anchor, fp32 [T, H, D]."""
+    y = x.float()
+    if params.center is not None:
+        y = y - params.center
+    if params.rotation is not None:
+        y = y @ params.rotation
+    return y / params.anchor
+
+
+def from_stored_space(y: torch.Tensor, params: SideParams) -> torch.Tensor:
+    """Inverse of `to_stored_space`: (y * anchor) @ R^T + center, fp32 [T, H, D]."""
+    x = y * params.anchor
+    if params.rotation is not None:
+        x = x @ params.rotation.T
+    if params.center is not None:
+        x = x + params.center
+    return x
+
+
+def _outliers(y: torch.Tensor, frac: float) -> torch.Tensor | None:
+    """Mask of the top `frac` |y| per head over the whole chunk. y: [T, H, D] -> bool [T, H, D]."""
+    T, H, D = y.shape
+    k = round(frac * T * D)
+    if k == 0:
+        return None
+    flat = y.abs().permute(1, 0, 2).reshape(H, T * D)
+    idx = flat.topk(k, dim=1).indices
+    mask = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, idx, True)
+    return mask.reshape(H, T, D).permute(1, 0, 2)
+
+
+def quantize_tokens(
+    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0, pos0: int = 0
+) -> Fp2Tokens:
+    """Quantize whole blocks of tokens of one side.
+
+    x: [T, H, D] float (T a multiple of the block size for 'token' blocks). Outliers, if any, are
+    chosen per head over these T tokens (the cache calls this once per full tail).
+
+    Raises:
+        KVInputError: NaN/Inf in x (names layer, head, position), or T / D not divisible.
+    """
+    check_finite(x, what=what, layer_idx=layer_idx, pos0=pos0)
+    y = to_stored_space(x, params)
+    mask = _outliers(y, spec.outlier_frac)
+    weights = None
+    if spec.scale_rule == "wmse" and params.weights is not None:
+        weights = torch.broadcast_to(params.weights, y.shape)
+    if mask is not None:
+        base = torch.ones_like(y) if weights is None else weights
+        weights = torch.where(mask, 0.0, base)
+    yb = _block_view(y, spec)
+    wb = None if weights is None else _block_view(weights.contiguous(), spec)
+    rule = "mse" if spec.scale_rule == "wmse" and wb is None else spec.scale_rule
+    codes, scales, offsets = quantize_blocks(
+        yb, params.levels, rule=rule, scale_dtype=spec.scale_dtype, asymmetric=spec.asymmetric, weights=wb
+    )
+    codes = _unblock(codes, spec, y.shape)
+    values = None if mask is None else torch.where(mask, y, 0.0).to(torch.bfloat16).float()
+    return Fp2Tokens(codes=codes, scales=scales, offsets=offsets, outlier_mask=mask, outlier_values=values)
+
+
+def dequantize_tokens(q: Fp2Tokens, spec: Fp2TensorSpec, params: SideParams) -> torch.Tensor:
+    """Inverse of `quantize_tokens` up to quantization error. Returns fp32 [T, H, D]."""
+    cb = _block_view(q.codes, spec)
+    yb = dequantize_blocks(cb, q.scales, q.offsets, params.levels)
+    y = _unblock(yb, spec, q.codes.shape)
+    if q.outlier_mask is not None:
+        y = torch.where(q.outlier_mask, q.outlier_values, y)
+    return from_stored_space(y, params)
+
+
+def fake_quantize(
+    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0
+) -> torch.Tensor:
+    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved."""
+    q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx)
+    return dequantize_tokens(q, spec, params).to(x.dtype)

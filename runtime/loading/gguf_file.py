@@ -1,0 +1,220 @@
+"""GGUF checkpoints through the `gguf` package: config, tensors (dequantized on read), tokenizer.
+
+Architectures: `llama` (dense Llama/SmolLM, and MoE llama-arch files such as Mixtral's, whose
+experts are stacked `ffn_*_exps` tensors). Tensors are exposed under Hugging Face names so the one
+weight builder (`weights.py`) serves both formats; llama.cpp's interleaved q/k row order for RoPE
+is undone on read. Stacked experts are sliced on the quantized bytes before dequantizing, so a rank
+dequantizes only its own experts.
+
+Tokenizer: GGUF `gpt2` (byte-level BPE) vocabularies are rebuilt as a `tokenizers` BPE with the
+same pre-tokenizer and decoder transformers builds for them.
+
+Reading a GGUF header is slow in Python (seconds for a 49k vocab), so `convert_gguf` turns a file
+into a cached Hugging Face style dir once and later runs memory-map that.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerodram.runtime.errors import ConfigError
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+_STACKED = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.)mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+class GGUFFile:
+    """A GGUF file read through `gguf.GGUFReader` (memory-mapped).
+
+    Raises:
+        ConfigError: not a GGUF file, or an architecture / tokenizer this runtime does not read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"{self.path}: not a readable GGUF file: {err}") from None
+        self.arch = _field(self.reader, "general.architecture")
+        if self.arch != "llama":
+            raise ConfigError(
+                f"{self.path}: GGUF architecture {self.arch!r} not supported (supported: llama)"
+            )
+        self._hf = self.hf_config()
+        self._tensors: dict[str, Any] = {}
+        self._experts: dict[str, tuple[Any, int]] = {}  # HF per-expert name -> (stacked tensor, e)
+        for t in self.reader.tensors:
+            m = re.match(r"^blk\.(\d+)\.(.+)$", t.name)
+            if m is None:
+                if t.name in _GLOBAL:
+                    self._tensors[_GLOBAL[t.name]] = t
+                continue
+            layer, rest = m.group(1), m.group(2)
+            if rest in _STACKED:
+                for e in range(int(t.shape[-1])):
+                    self._experts[f"model.layers.{layer}.mlp.experts.{e}.{_STACKED[rest]}.weight"] = (t, e)
+            elif rest in _BLOCK:
+                self._tensors[f"model.layers.{layer}.{_BLOCK[rest]}"] = t
+
+    def hf_config(self) -> dict[str, Any]:
+        """The checkpoint's config in Hugging Face `config.json` spelling (llama or mixtral)."""
+        r, a = self.reader, "llama"
+        if _field(r, f"{a}.rope.scaling.type") not in (None, "none"):
+            kind = _field(r, f"{a}.rope.scaling.type")
+            if kind != "linear":
+                raise ConfigError(f"{self.path}: GGUF rope scaling {kind!r} not supported")
+        if any(t.name == "rope_freqs.weight" for t in r.tensors):
+            raise ConfigError(f"{self.path}: llama3 rope frequency tensors in GGUF are not supported")
+        heads = int(_field(r, f"{a}.attention.head_count"))
+        hidden = int(_field(r, f"{a}.embedding_length"))
+        tokens = r.fields.get("tokenizer.ggml.tokens")
+        cfg: dict[str, Any] = {
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "vocab_size": int(_field(r, f"{a}.vocab_size", len(tokens.data) if tokens else 0)),
+            "hidden_size": hidden,
+            "intermediate_size": int(_field(r, f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(_field(r, f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(_field(r, f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(_field(r, f"{a}.attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(_field(r, f"{a}.context_length", 4096)),
+            "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
+            "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        }
+        if _field(r, f"{a}.rope.scaling.type") == "linear":
+            cfg["rope_scaling"] = {
+                "rope_type": "linear",
+                "factor": float(_field(r, f"{a}.rope.scaling.factor")),
+            }
+        if _field(r, f"{a}.expert_count"):
+            cfg.update(
+                model_type="mixtral",
+                num_local_experts=int(_field(r, f"{a}.expert_count")),
+                num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
+            )
+        return cfg
+
+    def config_dict(self) -> dict[str, Any]:
+        return dict(self._hf)
+
+    def keys(self) -> list[str]:
+        return [*self._tensors, *self._experts]
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors or name in self._experts
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._experts:
+            t, _ = self._experts[name]
+            return tuple(int(s) for s in reversed(t.shape[:-1]))
+        return tuple(int(s) for s in reversed(self._tensor(name).shape))
+
+    def _tensor(self, name: str) -> Any:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ConfigError(f"{self.path}: GGUF has no tensor for {name!r}") from None
+
+    def read(
+        self, name: str, dim0: slice | list[int] | None = None, dim1: slice | None = None
+    ) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        if name in self._experts:
+            t, e = self._experts[name]
+            full = torch.from_numpy(np.array(dequantize(t.data[e], t.tensor_type), dtype=np.float32))
+        else:
+            t = self._tensor(name)
+            full = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            full = full.reshape(tuple(int(s) for s in reversed(t.shape)))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = (
+                    self._hf["num_attention_heads"] if "q_proj" in name else self._hf["num_key_value_heads"]
+                )
+                full = _unpermute_rope_rows(full, heads)
+        if isinstance(dim0, list) or dim0 is not None:
+            full = full[dim0]
+        if dim1 is not None:
+            full = full[:, dim1]
+        return full.float()
+
+    def tokenizer_json(self) -> str:
+        """The vocabulary as a `tokenizers` JSON string (byte-level BPE)."""
+        return gguf_tokenizer_json(self.reader, self.path)
+
+    def chat_template(self) -> str | None:
+        return _field(self.reader, "tokenizer.chat_template")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: rows (h, pair, 2) back to (h, 2, pair)."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tokenizer_json(reader: Any, path: Path) -> str:
+    """Rebuild a GGUF `gpt2` vocabulary as a `tokenizers` byte-level BPE (JSON string)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConfigError(f"{path}: GGUF tokenizer model {kind!r} not supported (supported: gpt2)")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # CONTROL (3) tokens are special; USER_DEFINED (4) are added but not special.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == 3
+        ]
+    )
+    tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == 4])
+    return tok.to_str()

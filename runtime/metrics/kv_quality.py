@@ -1,0 +1,170 @@
+"""Live KV-quality telemetry: how far the quantized KV cache is from full precision, per layer.
+
+The engine calls `maybe_sample` right after writing a K/V block, with the full-precision values
+it quantized and what dequantizing the stored block gives back. One call in `period` per layer is
+kept: a few rows are sliced, detached and copied to the host (asynchronously on a GPU, with an
+event to say when the copy landed); nothing is computed in the step. `summarize()`, called when a
+snapshot is built (publisher thread), turns the landed samples into relative errors:
+
+    k_rel_err     = ||k_deq - k_fp||_F / ||k_fp||_F      over the sampled rows
+    v_rel_err     = same for V
+    score_rel_err = ||q k_deqᵀ - q k_fpᵀ||_F / ||q k_fpᵀ||_F   when a query was given
+
+Shapes (legend): N rows of the written block, D head dim (always the last dimension), M query rows.
+    k_fp, k_deq, v_fp, v_deq   [..., D]  (any leading dims: tokens, heads) -> rows [N, D]
+    q                          [..., D]                                    -> rows [M, D]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerodram.runtime.metrics.snapshot import KvQualityLayer
+
+
+@dataclass(eq=False)  # identity: samples hold tensors, which have no truth value
+class _Sample:
+    layer_idx: int
+    tensors: tuple[torch.Tensor, ...]  # k_fp, k_deq, v_fp, v_deq[, q] as [rows, D], on the host
+    ready: Any  # a torch.cuda.Event, or None when the copy was synchronous (CPU)
+
+
+class KvQualitySampler:
+    """Samples K/V blocks at a low rate and reports per-layer relative errors.
+
+    Args:
+        num_layers: layers the engine has (samples for other indices raise IndexError).
+        period: keep one `maybe_sample` call in `period`, per layer (64 = a ~1.6% rate).
+        max_rows: rows of K/V kept per sample (from a strided pick over the block).
+        max_query_rows: query rows kept per sample.
+        window: samples per layer averaged into the reported errors.
+        max_pending: samples waiting for `summarize`; the oldest are dropped beyond that.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        period: int = 64,
+        max_rows: int = 32,
+        max_query_rows: int = 8,
+        window: int = 16,
+        max_pending: int = 256,
+    ) -> None:
+        if period < 1:
+            raise ValueError(f"period must be >= 1, got {period}")
+        self.num_layers = num_layers
+        self.period = period
+        self.max_rows = max_rows
+        self.max_query_rows = max_query_rows
+        # Stagger the layers so that one step does not sample all of them at once.
+        self._countdown = [1 + (i % period) for i in range(num_layers)]
+        self._pending: deque[_Sample] = deque(maxlen=max_pending)
+        self._errors = [deque(maxlen=window) for _ in range(num_layers)]  # (k, v, score | None)
+        self._num_samples = [0] * num_layers
+        self._lock = threading.Lock()
+
+    def maybe_sample(
+        self,
+        layer_idx: int,
+        k_fp: torch.Tensor,
+        k_deq: torch.Tensor,
+        v_fp: torch.Tensor,
+        v_deq: torch.Tensor,
+        q: torch.Tensor | None = None,
+    ) -> bool:
+        """Keep this write for quality measurement if it is this layer's turn; True if kept.
+
+        Cheap when not kept (a counter decrement). When kept: slicing plus a small device-to-host
+        copy enqueued on the current stream, no synchronisation.
+
+        Raises:
+            IndexError: `layer_idx` outside [0, num_layers).
+            ValueError: K and its dequantized copy (or V and its copy) differ in shape.
+        """
+        self._countdown[layer_idx] -= 1
+        if self._countdown[layer_idx] > 0:
+            return False
+        self._countdown[layer_idx] = self.period
+        if k_fp.shape != k_deq.shape or v_fp.shape != v_deq.shape:
+            raise ValueError(
+                f"layer {layer_idx}: K {tuple(k_fp.shape)} vs dequantized {tuple(k_deq.shape)}, "
+                f"V {tuple(v_fp.shape)} vs dequantized {tuple(v_deq.shape)}"
+            )
+        rows = [self._rows(t, self.max_rows) for t in (k_fp, k_deq, v_fp, v_deq)]
+        if q is not None and q.shape[-1] == k_fp.shape[-1]:
+            rows.append(self._rows(q, self.max_query_rows))
+        ready = None
+        if k_fp.is_cuda:
+            # One cat and one D2H copy (kernel launches are the cost here, not bytes); the copy
+            # lands in pinned memory and the event says when it is safe to read.
+            if len({r.shape[-1] for r in rows}) == 1:
+                packed = torch.cat(rows).to("cpu", non_blocking=True)  # [4N + M, D]
+                host = tuple(packed.split([r.shape[0] for r in rows]))
+            else:  # K and V of different head dims
+                host = tuple(r.to("cpu", non_blocking=True) for r in rows)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tuple(r.clone() for r in rows)
+        with self._lock:
+            self._pending.append(_Sample(layer_idx, host, ready))
+        return True
+
+    @staticmethod
+    def _rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
+        flat = t.detach().reshape(-1, t.shape[-1])  # [N, D]
+        stride = max(1, flat.shape[0] // max_rows)
+        return flat[::stride][:max_rows]
+
+    def summarize(self) -> tuple[KvQualityLayer, ...]:
+        """Fold the samples whose copies have landed into the per-layer errors; return them.
+
+        Call from any thread but the step thread's hot path (the publisher thread does).
+        """
+        with self._lock:
+            todo = [s for s in self._pending if s.ready is None or s.ready.query()]
+            for s in todo:
+                self._pending.remove(s)
+        for s in todo:
+            self._errors[s.layer_idx].append(_errors_of(s.tensors))
+            self._num_samples[s.layer_idx] += 1
+        out = []
+        for layer_idx, errs in enumerate(self._errors):
+            if not errs:
+                continue
+            scores = [e[2] for e in errs if e[2] is not None]
+            out.append(
+                KvQualityLayer(
+                    layer_idx=layer_idx,
+                    k_rel_err=sum(e[0] for e in errs) / len(errs),
+                    v_rel_err=sum(e[1] for e in errs) / len(errs),
+                    score_rel_err=sum(scores) / len(scores) if scores else None,
+                    num_samples=self._num_samples[layer_idx],
+                )
+            )
+        return tuple(out)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact||_F / ||exact||_F in float32 (0.0 when both are zero, inf if only exact is)."""
+    a, e = approx.float(), exact.float()
+    num = torch.linalg.vector_norm(a - e).item()
+    den = torch.linalg.vector_norm(e).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def _errors_of(t: tuple[torch.Tensor, ...]) -> tuple[float, float, float | None]:
+    k_fp, k_deq, v_fp, v_deq = t[:4]
+    score = None
+    if len(t) == 5:
+        q = t[4].float()  # [M, D]
+        score = relative_error(q @ k_deq.float().T, q @ k_fp.float().T)  # [M, N]
+    return relative_error(k_deq, k_fp), relative_error(v_deq, v_fp), score

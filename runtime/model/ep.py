@@ -1,0 +1,160 @@
+"""Expert parallelism as the model sees it: one collective call per MoE layer.
+
+Shape legend: T tokens on this rank, D hidden, K top-k, W world size, Tmax max T over ranks.
+
+    ep(x [T, D], topk_idx [T, K], topk_weight [T, K]) -> y [T, D]
+
+Every rank calls every MoE layer's `ep` in every step, in the same order, even with T == 0: that
+is what keeps ranks in lockstep (see docs/engine.md). Implementations:
+
+    LocalExperts   world size 1 (or all experts local): no communication
+    AllGatherEP    STOPGAP until runtime/moe's expert-parallel layer lands: all-gathers every
+                   rank's tokens, computes this rank's experts for all of them, all-reduces the
+                   partial outputs and keeps its own rows. Correct on gloo and NCCL, but moves
+                   W x the data a real dispatch/combine does. Use `make_expert_parallel`, which
+                   prefers the runtime/moe layer when present.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from zerodram.runtime.model.moe import ExpertWeights
+from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer
+
+
+class ExpertParallel(Protocol):
+    """One MoE layer's routed experts across ranks (collective: all ranks call it each step)."""
+
+    def __call__(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class LocalExperts:
+    """All experts on this rank: no communication."""
+
+    def __init__(self, experts: ExpertWeights, timer: PhaseTimer = NULL_TIMER) -> None:
+        self.experts = experts
+        self.timer = timer
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        with self.timer.phase("experts"):
+            return self.experts.forward(x, topk_idx, topk_weight)
+
+
+class AllGatherEP:
+    """STOPGAP expert parallelism over torch.distributed collectives (see module docstring).
+
+    Args:
+        experts: this rank's experts for the layer.
+        world_size, rank: the process group's.
+        group: the process group (default group when None).
+    """
+
+    def __init__(
+        self,
+        experts: ExpertWeights,
+        world_size: int,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        timer: PhaseTimer = NULL_TIMER,
+    ) -> None:
+        self.experts = experts
+        self.world_size = world_size
+        self.rank = rank
+        self.group = group
+        self.timer = timer
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        W, (T, D), K = self.world_size, x.shape, topk_idx.shape[1]
+        with self.timer.phase("dispatch"):
+            num_tokens = torch.tensor([T], dtype=torch.int64)
+            all_num_tokens = [torch.zeros_like(num_tokens) for _ in range(W)]
+            dist.all_gather(all_num_tokens, num_tokens, group=self.group)  # host ints: gloo-friendly
+            counts = [int(c.item()) for c in all_num_tokens]
+            t_max = max(counts)
+            if t_max == 0:
+                return torch.zeros_like(x)
+            # One packed row per token: hidden, then K ids and K weights as the same dtype (exact
+            # for ids < 2^24 in fp32; bf16 can't hold ids > 256, so pack in fp32 always).
+            send = torch.zeros(t_max, D + 2 * K, dtype=torch.float32, device=x.device)
+            send[:T, :D] = x.float()
+            send[:T, D : D + K] = topk_idx.float()
+            send[:T, D + K :] = topk_weight.float()
+            recv = [torch.empty_like(send) for _ in range(W)]
+            dist.all_gather(recv, send, group=self.group)
+            rows = torch.cat([r[:c] for r, c in zip(recv, counts, strict=True)])  # [sum T, D + 2K]
+        with self.timer.phase("experts"):
+            x_all = rows[:, :D].to(x.dtype)
+            idx_all = rows[:, D : D + K].long()
+            w_all = rows[:, D + K :].to(x.dtype)
+            partial = self.experts.forward(x_all, idx_all, w_all)  # [sum T, D]
+        with self.timer.phase("combine"):
+            full = torch.zeros(W * t_max, D, dtype=torch.float32, device=x.device)
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + c)
+            for r in range(W):
+                full[r * t_max : r * t_max + counts[r]] = partial[offsets[r] : offsets[r + 1]].float()
+            dist.all_reduce(full, group=self.group)
+            return full[self.rank * t_max : self.rank * t_max + T].to(x.dtype)
+
+
+def make_expert_parallel(
+    experts: ExpertWeights,
+    world_size: int,
+    rank: int,
+    timer: PhaseTimer = NULL_TIMER,
+    *,
+    ctx: object | None = None,
+    expert_to_rank: tuple[int, ...] | None = None,
+    top_k: int = 0,
+    max_tokens_per_rank: int = 0,
+    backend: str | None = None,
+) -> ExpertParallel:
+    """The expert-parallel layer for one MoE layer.
+
+    World size 1: `LocalExperts`. Otherwise runtime/moe's `EpMoELayer` (torch.distributed or
+    NVSHMEM backend, chosen once by its `create`) when a rank context is given, else the
+    `AllGatherEP` stopgap. `backend="allgather"` forces the stopgap.
+    """
+    if world_size == 1:
+        return LocalExperts(experts, timer)
+    if ctx is None or backend == "allgather":
+        return AllGatherEP(experts, world_size, rank, timer=timer)
+    from zerodram.runtime.comm import ExpertPlacement as CommPlacement
+    from zerodram.runtime.moe.layer import EpMoELayer
+
+    topo = getattr(ctx, "topology", None)
+    ring = ()
+    if topo is not None and getattr(getattr(topo, "experts", None), "num_experts", None) == len(
+        expert_to_rank
+    ):
+        ring = tuple(topo.ring.peers(rank))
+    placement = CommPlacement(rank, world_size, tuple(expert_to_rank), ring_peers=ring)
+    layer = EpMoELayer.create(
+        ctx,
+        experts,
+        num_experts=len(expert_to_rank),
+        top_k=top_k,
+        max_tokens_per_rank=max_tokens_per_rank,
+        placement=placement,
+        backend=backend,
+    )
+    return _TimedEP(layer, timer)
+
+
+class _TimedEP:
+    """Wraps an EP layer whose phases are internal: the whole call is timed as dispatch+experts+combine."""
+
+    def __init__(self, layer: ExpertParallel, timer: PhaseTimer) -> None:
+        self.layer = layer
+        self.timer = timer
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        with self.timer.phase("ep"):
+            return self.layer(x, topk_idx, topk_weight)

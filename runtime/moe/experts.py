@@ -1,0 +1,116 @@
+"""SwiGLU experts of one rank's shard, run over the expert-major packed rows of a dispatch.
+
+Shape legend: N packed rows, D hidden, F expert FFN dim, El local experts, Fs shared FFN dim.
+
+    y = down(silu(gate(x)) * up(x))
+
+`grouped_swiglu` uses `torch._grouped_mm` when this torch has it for the device and dtype (probed
+once with a tiny problem), else one matmul per expert (which reads the counts on the host: not
+capturable in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from zerodram.runtime.errors import ConfigError
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """x [N, D], w_gate/w_up [F, D], w_down [D, F] -> [N, D]."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one rank hosts for one layer (same field names as the model's ExpertWeights).
+
+    Attributes:
+        expert_ids: global id of each local expert, ascending (== placement.local_experts(rank)).
+        w_gate, w_up: [El, F, D]; w_down: [El, D, F].
+    """
+
+    expert_ids: tuple[int, ...]
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    def __post_init__(self) -> None:
+        El = len(self.expert_ids)
+        if self.w_gate.shape[0] != El or self.w_up.shape != self.w_gate.shape:
+            raise ConfigError(
+                f"expert shard lists {El} experts, gate/up weights are {tuple(self.w_gate.shape)} / "
+                f"{tuple(self.w_up.shape)}"
+            )
+        if self.w_down.shape != (El, self.w_gate.shape[2], self.w_gate.shape[1]):
+            raise ConfigError(
+                f"w_down {tuple(self.w_down.shape)} does not match w_gate {tuple(self.w_gate.shape)}"
+            )
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.expert_ids)
+
+
+@dataclass(frozen=True)
+class SharedExpertWeights:
+    """An expert every token goes through: w_gate/w_up [Fs, D], w_down [D, Fs]."""
+
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.w_gate, self.w_up, self.w_down)
+
+
+@cache
+def has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` exists and runs for (device, dtype): probed once, cached."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 16, device=device_type, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return bool((y.float() == 16.0).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_swiglu(
+    x: torch.Tensor, recv_expert_offsets: torch.Tensor, shard: ExpertShard, use_grouped: bool | None = None
+) -> torch.Tensor:
+    """SwiGLU of each packed segment through its expert.
+
+    Args:
+        x: [N, D] packed rows (rows past ``recv_expert_offsets[-1]`` are ignored).
+        recv_expert_offsets: [El] int32 cumulative ends of each local expert's rows.
+        shard: this rank's experts (weights in x's dtype).
+        use_grouped: force the path (None: grouped when available).
+
+    Returns:
+        [N, D] in x's dtype; rows past the last offset are unspecified.
+    """
+    if use_grouped is None:
+        use_grouped = has_grouped_mm(x.device.type, x.dtype)
+    if shard.num_local_experts == 0 or x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if use_grouped:
+        offs = recv_expert_offsets.to(torch.int32)
+        g = torch._grouped_mm(x, shard.w_gate.transpose(-2, -1), offs=offs)  # [N, F]
+        u = torch._grouped_mm(x, shard.w_up.transpose(-2, -1), offs=offs)  # [N, F]
+        return torch._grouped_mm(F.silu(g) * u, shard.w_down.transpose(-2, -1), offs=offs)  # [N, D]
+    out = torch.zeros_like(x)
+    ends = recv_expert_offsets.tolist()  # host sync: the fallback path only
+    start = 0
+    for le, end in enumerate(ends):
+        if end > start:
+            out[start:end] = swiglu(x[start:end], shard.w_gate[le], shard.w_up[le], shard.w_down[le])
+        start = end
+    return out

@@ -1,0 +1,74 @@
+"""Top-k routing: gate logits -> K experts per token and their weights.
+
+Shape legend: T tokens, D hidden, E experts, K top-k.
+
+The math the fused CUDA router (`kernels/cuda/dispatch.cu`) reproduces, in fp32:
+
+    logits   x @ gate_weight.T, accumulated in fp32                      # [T, E]
+    scores   softmax(logits) over E, or sigmoid(logits)                   # [T, E]
+    choice   the K largest scores (ties: lowest expert id)                # [T, K]
+    weight   the chosen scores, divided by their sum when `renormalize`   # [T, K]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodram.runtime.errors import ConfigError
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How tokens pick experts.
+
+    Attributes:
+        num_experts: E.
+        top_k: K (1..8).
+        scoring: "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3 style, without the
+            group-limited selection and correction bias).
+        renormalize: divide the K weights by their sum.
+
+    Raises:
+        ConfigError: unknown scoring, or K outside 1..min(8, E).
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ConfigError(f"router scoring {self.scoring!r}; expected one of {SCORINGS}")
+        if not 1 <= self.top_k <= min(8, self.num_experts):
+            raise ConfigError(f"router top_k {self.top_k} outside 1..min(8, E={self.num_experts})")
+
+    @property
+    def scoring_id(self) -> int:
+        """The kernel's code for `scoring` (0 softmax, 1 sigmoid)."""
+        return SCORINGS.index(self.scoring)
+
+
+def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D], gate_weight [E, D] -> logits [T, E] fp32."""
+    return x.float() @ gate_weight.float().t()
+
+
+def route(logits: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (topk_idx [T, K] int64, topk_weight [T, K] fp32).
+
+    Raises:
+        ConfigError: logits have a different E than the config.
+    """
+    if logits.shape[-1] != cfg.num_experts:
+        raise ConfigError(f"router logits have {logits.shape[-1]} experts, config says {cfg.num_experts}")
+    logits = logits.float()
+    scores = torch.softmax(logits, -1) if cfg.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
+    weight, idx = torch.topk(scores, cfg.top_k, dim=-1, sorted=True)  # [T, K]
+    if cfg.renormalize:
+        weight = weight / weight.sum(-1, keepdim=True)
+    return idx, weight

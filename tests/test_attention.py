@@ -1,0 +1,319 @@
+"""FP2 decode attention: kernels compile for sm_90 (CPU), the torch reference and API (CPU), and the
+CUDA kernels against the reference on random ragged batches (GPU).
+
+Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, P page size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from zerodram.kernels.attention import Fp2KernelConfig
+from zerodram.kernels.jit import compile_cubin
+from zerodram.runtime.attention import (
+    DecodeBatch,
+    Fp2DecodeAttention,
+    Fp2Writer,
+    dequantize_pages,
+    random_decode_batch,
+    random_fp2_layer,
+    reference_decode,
+)
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.errors import KVInputError
+
+CONFIGS = [
+    Fp2KernelConfig(head_dim=d, group=g, k_block=kb, v_block=kb, scale_dtype=sd)
+    for d, g, kb, sd in itertools.product((64, 128), (1, 4, 8), (64,), ("e4m3", "e8m0"))
+] + [Fp2KernelConfig(head_dim=128, group=4, k_block=32, v_block=32), Fp2KernelConfig(head_dim=64, k_block=32)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}{c.scale_dtype}")
+@pytest.mark.parametrize("kernel", ["attn_fp2_decode", "attn_fp2_merge", "attn_fp2_write"])
+def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
+    assert compile_cubin(kernel, cfg.build_options(kernel))[:4] == b"\x7fELF"
+
+
+def _module(
+    device: str, *, Hq: int = 8, Hkv: int = 2, D: int = 128, P: int = 64, max_tokens: int = 4096, **kw
+):
+    return Fp2DecodeAttention(
+        num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=8, max_fp2_tokens=max_tokens,
+        device=device, **kw,
+    )  # fmt: skip
+
+
+def _dense_reference(q, layer, batch, scale, P, scale_dtype="e4m3"):
+    """Independent of reference_decode: token by token gather, then SDPA with GQA."""
+    outs = []
+    for b in range(q.shape[0]):
+        n, h, slot = int(batch.fp2_len[b]), int(batch.hp_len[b]), int(batch.hp_slot[b])
+        rows = [(int(batch.block_table[b, f // P]), f % P) for f in range(n)]
+        k = [
+            dequantize_pages(layer.k_codes[p, :, s], layer.k_scales[p, :, s], layer.levels[:4], scale_dtype)
+            for p, s in rows
+        ]
+        v = [
+            dequantize_pages(layer.v_codes[p, :, s], layer.v_scales[p, :, s], layer.levels[4:], scale_dtype)
+            for p, s in rows
+        ]
+        k = torch.stack(k + [batch.hp_k[slot, :, j].float() for j in range(h)], 1)  # [Hkv, L, D]
+        v = torch.stack(v + [batch.hp_v[slot, :, j].float() for j in range(h)], 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[b][None, :, None].float(), k[None], v[None], scale=scale, enable_gqa=True
+        )  # [1, Hq, 1, D]
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
+def test_reference_matches_token_by_token_gather() -> None:
+    g = torch.Generator().manual_seed(1)
+    layer = random_fp2_layer(12, 2, 64, 128, generator=g)
+    batch = random_decode_batch([70, 1, 128], [3, 0, 36], 12, 2, 64, 128, generator=g)
+    q = torch.randn(3, 8, 128, generator=g)
+    ref = reference_decode(q, layer, batch, 0.088, "e4m3")
+    dense = _dense_reference(q, layer, batch, 0.088, 64)
+    torch.testing.assert_close(ref, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
+    from zerodram.runtime.kv.levels import named_levels
+    from zerodram.runtime.kv.quantize import dequantize_blocks, quantize_blocks
+
+    g = torch.Generator().manual_seed(2)
+    layer = random_fp2_layer(4, 2, 64, 128, generator=g)
+    batch = random_decode_batch([200], [0], 4, 2, 64, 128, generator=g)
+    y = torch.randn(7, 2, 2, 128, generator=g)
+    f = torch.tensor([0, 1, 63, 64, 65, 130, 199], dtype=torch.int32)
+    Fp2Writer(head_dim=128).write(y, torch.zeros(7, dtype=torch.int32), f, layer, batch.block_table)
+    pages = batch.block_table[0, (f // 64).long()].long()
+    slots = (f % 64).long()
+    back = dequantize_pages(
+        layer.k_codes[pages, :, slots], layer.k_scales[pages, :, slots], layer.levels[:4], "e4m3"
+    )
+    lv = named_levels("lm").float()
+    codes, scales, _ = quantize_blocks(y[:, :, 0].reshape(7, 2, 2, 64), lv, rule="mse", scale_dtype="e4m3")
+    torch.testing.assert_close(
+        back, dequantize_blocks(codes, scales, None, lv).reshape(7, 2, 128), rtol=0, atol=0
+    )
+
+
+def test_validation_names_both_sides() -> None:
+    att = _module("cpu")
+    g = torch.Generator().manual_seed(3)
+    layer = random_fp2_layer(4, 2, 64, 128, generator=g)
+    batch = random_decode_batch([10], [0], 4, 2, 64, 128, generator=g)
+    with pytest.raises(KVInputError, match=r"q has shape"):
+        att(torch.randn(1, 4, 128), layer, batch)
+    bad = DecodeBatch(batch.block_table.long(), *list(vars(batch).values())[1:])
+    with pytest.raises(KVInputError, match=r"block_table must be torch.int32"):
+        att(torch.randn(1, 8, 128), layer, bad)
+    oob = DecodeBatch(batch.block_table + 100, *list(vars(batch).values())[1:])
+    with pytest.raises(KVInputError, match=r"outside the pool of 4 pages"):
+        att.check_tables(layer, oob)
+    with pytest.raises(ConfigError, match=r"1..8 query heads"):
+        _module("cpu", Hq=32, Hkv=2)
+    with pytest.raises(ConfigError, match=r"multiple of 32"):
+        _module("cpu", P=48)
+
+
+def test_plan_fills_the_gpu_and_respects_the_minimum_split() -> None:
+    att = _module("cpu", Hq=32, Hkv=8, max_tokens=131072)
+    splits, tokens = att.plan(8, 131072)
+    assert splits * tokens >= 131072
+    assert tokens % 32 == 0
+    assert 8 * 8 * splits >= 132 * att.CTAS_PER_SM * 0.9
+    assert att.plan(1, 100) == (1, 128)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _ragged(rng: torch.Generator, B: int, top: int, P: int) -> list[int]:
+    """Page-boundary lengths first (1, P - 1, P, P + 1, ...), then random ones up to `top`."""
+    edges = [n for n in (1, 31, 33, P - 1, P, P + 1, 2 * P + 1, top) if n <= top]
+    rand = [int(x) for x in torch.randint(1, top + 1, (B,), generator=rng)]
+    return (edges + rand)[:B]
+
+
+GPU_CASES = [
+    # D, G, Hkv, scale, block, lengths bound
+    (128, 4, 2, "e4m3", 64, 3000),
+    (128, 1, 4, "e4m3", 64, 3000),
+    (128, 8, 1, "e4m3", 64, 3000),
+    (64, 4, 2, "e4m3", 64, 3000),
+    (64, 1, 2, "e8m0", 64, 3000),
+    (64, 8, 2, "e4m3", 32, 3000),
+    (128, 4, 2, "e8m0", 32, 3000),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top"), GPU_CASES)
+def test_gpu_decode_matches_reference(D: int, G: int, Hkv: int, scale: str, block: int, top: int) -> None:
+    rng = torch.Generator().manual_seed(D * 100 + G * 10 + Hkv + block)
+    P, B, dev = 64, 8, "cuda"
+    lengths = _ragged(rng, B, top, P)
+    hp = [int(torch.randint(0, 37, (1,), generator=rng)) for _ in range(B)]
+    lengths[1], hp[1] = 0, 5  # a sequence with only bf16 tokens
+    pages = sum(math.ceil(n / P) for n in lengths) + 3
+    gdev = torch.Generator(device=dev).manual_seed(7)
+    layer = random_fp2_layer(
+        pages, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev
+    )
+    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(
+        dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale
+    )
+    att.check_tables(layer, batch)
+    for _ in range(2):  # fresh queries, poisoned buffers, twice
+        q = torch.randn(B, G * Hkv, D, device=dev)
+        for buf in (att.out, att.o_part, att.ml_part):
+            buf.fill_(float("nan"))
+        out = att(q, layer, batch, max_len=max(lengths)).clone()
+        ref = reference_decode(q, layer, batch, att.softmax_scale, scale)
+        assert not out.isnan().any()
+        for b in range(B):
+            assert _rel(out[b], ref[b]) < 3e-3, (b, lengths[b], hp[b], _rel(out[b], ref[b]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [1, 8191, 32768, 131072])
+def test_gpu_decode_long_context(L: int) -> None:
+    D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
+    lengths = [L, max(1, L // 3)]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(L)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072)
+    q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
+    att.out.fill_(float("nan"))
+    out = att(q, layer, batch, max_len=L).clone()
+    ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
+    assert _rel(out, ref) < 3e-3
+
+
+@pytest.mark.gpu
+def test_gpu_decode_under_cuda_graph() -> None:
+    D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
+    lengths = [500, 64, 1]
+    pages = 20
+    gdev = torch.Generator(device=dev).manual_seed(11)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    batch = random_decode_batch(lengths, [0, 4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=1024)
+    q = torch.randn(3, G * Hkv, D, device=dev)
+    att(q, layer, batch, max_len=1024)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = att(q, layer, batch, max_len=1024)
+    q.copy_(torch.randn_like(q))
+    batch.fp2_len.copy_(torch.tensor([450, 33, 1], dtype=torch.int32))  # lengths may move under the bound
+    att.out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out, reference_decode(q, layer, batch, att.softmax_scale, "e4m3")) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("rule", "scale", "block"), [("absmax", "e4m3", 64), ("mse", "e4m3", 64), ("mse", "e8m0", 32)]
+)
+def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int) -> None:
+    D, Hkv, P, N, dev = 128, 4, 64, 512, "cuda"
+    gdev = torch.Generator(device=dev).manual_seed(5)
+    layer = random_fp2_layer(
+        16, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev
+    )
+    batch = random_decode_batch([1000], [0], 16, Hkv, P, D, device=dev, generator=gdev)
+    y = (
+        torch.randn(N, Hkv, 2, D, device=dev, generator=gdev)
+        * torch.rand(N, Hkv, 2, 1, device=dev, generator=gdev)
+        * 3
+    )
+    f = torch.randperm(1000, device=dev, generator=gdev)[:N].to(torch.int32)
+    s = torch.zeros(N, dtype=torch.int32, device=dev)
+    kw = {
+        "head_dim": D,
+        "k_block": block,
+        "v_block": block,
+        "scale_dtype": scale,
+        "k_rule": rule,
+        "v_rule": rule,
+    }
+    Fp2Writer(device=dev, **kw).write(y, s, f, layer, batch.block_table)
+    cpu = type(layer)(
+        *(
+            t.cpu().clone()
+            for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales, layer.levels)
+        )
+    )
+    Fp2Writer(device="cpu", **kw).write(y.cpu(), s.cpu(), f.cpu(), cpu, batch.block_table.cpu())
+    for gpu_t, cpu_t in ((layer.k_scales, cpu.k_scales), (layer.v_scales, cpu.v_scales)):
+        agree = float((gpu_t.cpu() == cpu_t).float().mean())
+        assert agree == 1.0 if rule == "absmax" else agree > 0.995, agree
+    for gpu_t, cpu_t in ((layer.k_codes, cpu.k_codes), (layer.v_codes, cpu.v_codes)):
+        agree = float((gpu_t.cpu() == cpu_t).float().mean())
+        assert agree == 1.0 if rule == "absmax" else agree > 0.99, agree
+
+
+def _kv_cache_case(device: str, lengths: list[int], D: int = 128, Hkv: int = 2, G: int = 4):
+    """A real runtime/kv Fp2KVCache filled with random tokens, and its kernel-side views."""
+    from zerodram.runtime.kv.format import parse_kv_spec
+    from zerodram.runtime.kv.fp2_cache import Fp2KVCache
+
+    spec = parse_kv_spec("fp2").spec
+    pages = sum(math.ceil(n / spec.page_size) for n in lengths) + 2
+    cache = Fp2KVCache(
+        spec=spec, num_pages=pages, page_size=spec.page_size, num_kv_heads=Hkv, head_dim=D,
+        max_seqs=len(lengths) + 1, device=device,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(sum(lengths))
+    sids = []
+    for n in lengths:
+        sid = cache.new_sequence()
+        k = torch.randn(n, Hkv, D, device=device, generator=g) * 2
+        cache.append(sid, k, torch.randn(n, Hkv, D, device=device, generator=g))
+        sids.append(sid)
+    q = torch.randn(len(lengths), G * Hkv, D, device=device, generator=g)
+    return cache, sids, q
+
+
+def _kernel_side(att, cache, sids, q, G):
+    from zerodram.runtime.attention import batch_from_cache, finish_output, layer_from_cache, prepare_query
+
+    kp, vp = cache.params
+    layer, batch = layer_from_cache(cache), batch_from_cache(cache, sids)
+    att.check_tables(layer, batch)
+    o = att(prepare_query(q, kp.rotation, kp.anchor, G), layer, batch)
+    return finish_output(o, vp.rotation, vp.anchor, G)
+
+
+def test_matches_kv_reference_decode_on_a_real_cache() -> None:
+    from zerodram.runtime.kv.attention import reference_decode_attention
+
+    cache, sids, q = _kv_cache_case("cpu", [1, 5, 40, 300])
+    att = _module("cpu", max_tokens=1024)
+    ref = reference_decode_attention(q, cache, sids)
+    torch.testing.assert_close(_kernel_side(att, cache, sids, q, 4), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_kv_reference_decode_on_a_real_cache() -> None:
+    from zerodram.runtime.kv.attention import reference_decode_attention
+
+    cache, sids, q = _kv_cache_case("cuda", [1, 5, 40, 300, 1000])
+    att = _module("cuda", max_tokens=1024)
+    att.out.fill_(float("nan"))
+    ref = reference_decode_attention(q, cache, sids)
+    assert _rel(_kernel_side(att, cache, sids, q, 4), ref) < 3e-3

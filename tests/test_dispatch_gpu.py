@@ -1,0 +1,195 @@
+"""The NVSHMEM backend on a GPU: 1 PE, and 2 and 4 PEs sharing one GPU, under the CPU tests' checks.
+
+Ranks come from `run_ranks` on gloo (CPU context); each then binds cuda:0 and initialises NVSHMEM
+over that group (NCCL refuses several ranks on one GPU). Kernels of different processes time-slice
+on one GPU: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from multirank import run_ranks
+
+from zerodram.runtime.comm import EpLayout, ExpertPlacement
+from zerodram.runtime.errors import RankTimeoutError
+from zerodram.runtime.moe import (
+    EpMoELayer,
+    MoEWeights,
+    RouterConfig,
+    gate_logits,
+    reference_experts,
+    route,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+D, F, TM = 256, 128, 24
+
+
+@dataclass(frozen=True)
+class _GpuCtx:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+
+
+def _gpu_ctx(ctx, timeout_s: float = 20.0) -> _GpuCtx:
+    torch.cuda.set_device(0)
+    return _GpuCtx(ctx.rank, ctx.world_size, torch.device("cuda", 0), ctx.backend, timeout_s)
+
+
+# name, E, K, tokens per rank, routing, scoring, wire, replicas
+CASES = [
+    ("topk2_given", 8, 2, (5, 9, 0, 3), "topk", "softmax", "bf16", False),
+    ("topk1_logits", 8, 1, (7, 7, 7, 7), "logits", "softmax", "bf16", False),
+    ("topk8_gate_sigmoid", 16, 8, (4, 1, 6, 2), "gate", "sigmoid", "bf16", False),
+    ("one_expert", 8, 1, (6, 3, 5, 1), "one", "softmax", "bf16", False),
+    ("masked", 8, 2, (4, 4, 4, 4), "masked", "softmax", "bf16", False),
+    ("all_empty", 8, 2, (0, 0, 0, 0), "topk", "softmax", "bf16", False),
+    ("fp8_gate", 16, 2, (TM, 2, 9, 4), "gate", "softmax", "fp8", False),
+    ("replicas_ring", 8, 2, (9, 5, 7, 3), "topk", "softmax", "bf16", True),
+]
+
+
+def _inputs(i: int, W: int, counts, E: int, K: int, kind: str):
+    g = torch.Generator().manual_seed(50 + i)
+    out = []
+    for r in range(W):
+        T = counts[r % len(counts)]
+        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+        idx = idx.to(torch.int64)
+        if kind == "one":
+            idx[:] = 3
+        if kind == "masked":
+            idx[::2, K - 1] = -1
+        out.append((x, idx, torch.rand(T, K, generator=g)))
+    return out
+
+
+def _placement(rank: int, W: int, E: int, replicas: bool) -> ExpertPlacement:
+    base = ExpertPlacement.contiguous(rank, W, E)
+    if not replicas:
+        return base
+    reps = tuple(((base.expert_to_rank[e] + 1) % W,) if e % 2 == 0 and W > 1 else () for e in range(E))
+    return ExpertPlacement(rank, W, base.expert_to_rank, reps, tuple((rank - s) % W for s in range(W)))
+
+
+def _nvshmem_cases(ctx) -> list[str]:
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+    from zerodram.runtime.comm.nvshmem_session import NvshmemSession
+
+    gctx = _gpu_ctx(ctx)
+    W, rank, dev = gctx.world_size, gctx.rank, gctx.device
+    session = NvshmemSession.create(gctx, heap_bytes=1 << 30)
+    done = []
+    try:
+        for i, (name, E, K, counts, kind, scoring, wire, replicas) in enumerate(CASES):
+            weights = MoEWeights.random(E, D, F, seed=200 + i, dtype=torch.bfloat16, device=dev)
+            router = RouterConfig(E, K, scoring=scoring, renormalize=scoring == "softmax")
+            layout = EpLayout(_placement(rank, W, E, replicas), D, K, TM, wire)
+            comm = NvshmemComm.create(gctx, layout, router, session=session)
+            layer = EpMoELayer(comm, weights.shard(layout.local_experts), gate_weight=weights.gate_weight)
+            x, idx, w = (t.to(dev) for t in _inputs(i, W, counts, E, K, kind)[rank])
+            for _repeat in range(3):  # both phases, and a phase reused
+                if kind == "gate":
+                    y = layer.forward(x)
+                    ref_idx, ref_w = route(gate_logits(x, weights.gate_weight), router)
+                elif kind == "logits":
+                    logits = gate_logits(x, weights.gate_weight)
+                    out = comm.dispatch(x, logits=logits)
+                    from zerodram.runtime.moe import grouped_swiglu
+
+                    y = comm.combine(grouped_swiglu(out.recv_x, out.recv_expert_offsets, layer.experts), out)
+                    ref_idx, ref_w = route(logits, router)
+                    assert torch.equal(out.topk_idx, ref_idx), f"{name}: fused router chose differently"
+                    torch.testing.assert_close(out.topk_weight, ref_w, atol=1e-5, rtol=1e-4)
+                else:
+                    y = layer(x, idx, w)
+                    ref_idx, ref_w = idx, w
+                comm.check()
+                ref = reference_experts(x.float(), ref_idx, ref_w, _float(weights)).to(torch.bfloat16)
+                tol = 8e-2 if wire == "fp8" else 3e-2
+                torch.testing.assert_close(
+                    y, ref, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n} rank {rank}: {m}"
+                )
+            comm.close()
+            done.append(name)
+        _self_checking_rows(gctx, session)
+        done.append("self_checking_rows")
+    finally:
+        session.close()
+    return done
+
+
+def _float(w: MoEWeights) -> MoEWeights:
+    return MoEWeights(w.gate_weight.float(), w.w_gate.float(), w.w_up.float(), w.w_down.float())
+
+
+def _self_checking_rows(gctx: _GpuCtx, session) -> None:
+    """Rows carry (src rank, token); identity experts; combine must give K * x back."""
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+
+    W, rank, dev, E, K = gctx.world_size, gctx.rank, gctx.device, 8, 2
+    layout = EpLayout(ExpertPlacement.contiguous(rank, W, E), D, K, TM)
+    comm = NvshmemComm.create(gctx, layout, session=session)
+    g = torch.Generator().manual_seed(5)
+    topks = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(TM - r)]) for r in range(W)]
+    T = topks[rank].shape[0]
+    x = torch.zeros(T, D, dtype=torch.bfloat16, device=dev)
+    x[:, 0], x[:, 1] = rank, torch.arange(T, device=dev).to(torch.bfloat16)
+    out = comm.dispatch(x, topk_idx=topks[rank].to(dev), topk_weight=torch.ones(T, K, device=dev))
+    y = comm.combine(out.recv_x, out)
+    comm.check()
+    ends, start = out.recv_expert_offsets.tolist(), 0
+    for le, e in enumerate(layout.local_experts):
+        seg = out.recv_x[start : ends[le]].float().cpu()
+        assert seg.shape[0] == sum(int((t == e).sum()) for t in topks), (e, seg.shape)
+        got = sorted(zip(seg[:, 0].long().tolist(), seg[:, 1].long().tolist(), strict=True))
+        want = sorted((s, t) for s in range(W) for t in range(topks[s].shape[0]) if e in topks[s][t].tolist())
+        assert got == want, f"expert {e}: rows {got[:6]}... expected {want[:6]}..."
+        start = ends[le]
+    torch.testing.assert_close(y.float(), x.float() * K)
+    comm.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_nvshmem_layer_matches_reference(world_size: int) -> None:
+    results = run_ranks(_nvshmem_cases, world_size, timeout_s=400, rank_timeout_s=120, device="cpu")
+    assert all(r == [c[0] for c in CASES] + ["self_checking_rows"] for r in results)
+
+
+def _device_timeout(ctx, silent: int) -> str:
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+
+    gctx = _gpu_ctx(ctx, timeout_s=1.0)
+    layout = EpLayout(ExpertPlacement.contiguous(gctx.rank, gctx.world_size, 4), D, 1, 4)
+    comm = NvshmemComm.create(gctx, layout)
+    msg = "silent"
+    if gctx.rank != silent:
+        t0 = time.monotonic()
+        x = torch.zeros(2, D, dtype=torch.bfloat16, device=gctx.device)
+        idx = torch.tensor([[0], [3]], device=gctx.device)
+        out = comm.dispatch(x, topk_idx=idx, topk_weight=torch.ones(2, 1, device=gctx.device))
+        try:
+            comm.check()
+            msg = "no error"
+        except RankTimeoutError as err:
+            msg = f"{time.monotonic() - t0:.1f}s {err}"
+        del out
+    comm.close()
+    return msg
+
+
+def test_silent_pe_is_named_by_the_device_wait() -> None:
+    results = run_ranks(_device_timeout, 2, args=(1,), timeout_s=120, rank_timeout_s=60, device="cpu")
+    assert results[1] == "silent"
+    assert "from rank 1" in results[0], results[0]
+    assert "dispatch rows" in results[0], results[0]
+    assert float(results[0].split("s ", 1)[0]) < 10, results[0]

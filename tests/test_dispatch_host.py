@@ -1,0 +1,125 @@
+"""Dispatch alone, host-driven path, over gloo: every received row says where it came from.
+
+Row t of rank r carries (r, t) in its first two channels; the receiver checks that each packed row
+sits in the segment of an expert that token really chose, in expert-major / source-minor order,
+and that per-expert counts match a recount from the shared seed. Also: a rank that skips the
+collective makes the others raise `RankTimeoutError` naming it, within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from multirank import run_ranks
+
+from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
+from zerodram.runtime.errors import RankTimeoutError
+
+pytestmark = pytest.mark.slow
+
+D, E, K, TM = 16, 8, 2, 10
+
+
+def _topk(seed: int, W: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(W):
+        T = 0 if r == W - 1 else (3 * r + 4) % (TM + 1)  # uneven; the last rank sends nothing
+        out.append(
+            torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+        )
+    return [t.to(torch.int64) for t in out]
+
+
+def _dispatch_only(ctx) -> int:
+    W, rank = ctx.world_size, ctx.rank
+    placement = ExpertPlacement.contiguous(rank, W, E)
+    layout = EpLayout(placement, D, K, TM)
+    comm = create_communicator(ctx, layout, backend="torch")
+    topks = _topk(11, W)
+    idx = topks[rank]
+    T = idx.shape[0]
+    x = torch.zeros(T, D)
+    x[:, 0] = rank
+    x[:, 1] = torch.arange(T, dtype=torch.float32)
+    out = comm.dispatch(x, topk_idx=idx, topk_weight=torch.ones(T, K))
+    ends = out.recv_expert_offsets.tolist()
+    start, checked = 0, 0
+    for le, e in enumerate(layout.local_experts):
+        seg = out.recv_x[start : ends[le]]
+        want = sum(int((topks[s] == e).sum()) for s in range(W))
+        assert seg.shape[0] == want == int(out.recv_num_tokens_per_expert[le]), (e, seg.shape, want)
+        src = seg[:, 0].long()
+        assert torch.all(src[1:] >= src[:-1]), f"expert {e}: rows not source-ordered: {src.tolist()}"
+        for s, t in zip(src.tolist(), seg[:, 1].long().tolist(), strict=True):
+            assert e in topks[s][t].tolist(), (
+                f"expert {e} got token {t} of rank {s}, which chose {topks[s][t]}"
+            )
+            checked += 1
+        pairs = {(s, t) for s, t in zip(src.tolist(), seg[:, 1].long().tolist(), strict=True)}
+        assert len(pairs) == seg.shape[0], f"expert {e}: a row arrived twice"
+        start = ends[le]
+    # and the combine returns every row to its source: y = sum_k 1 * x (identity experts)
+    y = comm.combine(out.recv_x, out)
+    torch.testing.assert_close(y, x * K)
+    comm.close()
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rows_arrive_where_the_protocol_says(world_size: int) -> None:
+    checked = run_ranks(_dispatch_only, world_size, timeout_s=60, rank_timeout_s=20)
+    assert sum(checked) == sum(int((t >= 0).sum()) for t in _topk(11, world_size))
+
+
+def _one_rank_skips(ctx, skipper: int, wait_s: float) -> str:
+    placement = ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E)
+    comm = create_communicator(ctx, EpLayout(placement, D, K, TM), backend="torch")
+    comm.timeout_s = wait_s
+    if ctx.rank == skipper:
+        time.sleep(wait_s + 1.5)  # alive but silent: the others must not hang on it
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        comm.dispatch(
+            torch.zeros(2, D), topk_idx=torch.zeros(2, K, dtype=torch.int64), topk_weight=torch.ones(2, K)
+        )
+    except RankTimeoutError as err:
+        return f"{time.monotonic() - t0:.1f}s {err}"
+    return "no error"
+
+
+def test_silent_rank_is_named_within_the_timeout() -> None:
+    results = run_ranks(_one_rank_skips, 3, args=(2, 2.0), timeout_s=60, rank_timeout_s=30)
+    assert results[2] == "skipped"
+    for msg in results[:2]:
+        assert "rank 2" in msg, msg
+        assert "dispatch counts" in msg, msg
+        assert float(msg.split("s ", 1)[0]) < 6.0, msg
+
+
+def test_bench_dispatch_runs_on_cpu() -> None:
+    code = (
+        "import argparse, sys; from zerodram.launch import bench_cmd; p = argparse.ArgumentParser(); "
+        "bench_cmd.register(p.add_subparsers()); "
+        "a = p.parse_args(['bench', 'dispatch', '--json', '--iters', '2', '--warmup', '1', "
+        "'--tokens', '1,8']); "
+        "sys.exit(a.func(a))"
+    )
+    env = {"ZERODRAM_FORCE_CPU": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {(r["path"], r["wire"], r["tokens"]) for r in rows} == {
+        ("torch", w, t) for w in ("bf16", "fp8") for t in (1, 8)
+    }
+    assert all(
+        r["dispatch_us"] > 0
+        and r["dispatch_bytes"] == r["tokens"] * 2 * (512 if r["wire"] == "bf16" else 272)
+        for r in rows
+    )

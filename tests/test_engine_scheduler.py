@@ -1,0 +1,140 @@
+"""Engine on one rank: continuous batching, chunked prefill, admission control, bad requests,
+stop conditions, streaming, the serve job's JSON lines. Tiny random weights (no transformers)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zerodram.runtime.engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
+from zerodram.runtime.engine.build import build_engine
+from zerodram.runtime.engine.request import RequestError
+from zerodram.runtime.errors import ConfigError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a crowded 2-core machine OpenMP spin-waits make tiny ops 1000x slower."""
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [200, 3], [17] * 13, [40, 41, 42, 43]]
+
+
+def _engine(num_pages: int = 64, page_size: int = 4, sched: SchedulerConfig | None = None) -> Engine:
+    cfg = EngineConfig(
+        kv_format="fp32",
+        num_kv_pages=num_pages,
+        page_size=page_size,
+        scheduler=sched or SchedulerConfig(8, 32, 5),
+    )
+    return build_engine("random:tiny-moe", None, cfg)
+
+
+def test_batching_does_not_change_greedy_tokens() -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    together = [o.token_ids for o in _engine().generate(PROMPTS, params)]
+    alone = [_engine(sched=SchedulerConfig(1, 1, 1)).generate([p], params)[0].token_ids for p in PROMPTS]
+    assert together == alone
+    assert all(len(t) == 6 for t in together)
+
+
+def test_admission_waits_for_pages_and_rejects_what_never_fits() -> None:
+    # 4 pages x 4 tokens = 16 tokens per rank: each 7+6-token request needs 4 pages -> one at a time
+    engine = _engine(num_pages=4, page_size=4)
+    seen_running = []
+    engine.on_step = lambda s: seen_running.append(s.num_running)
+    outs = engine.generate([PROMPTS[0], PROMPTS[0], [1] * 20], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "length", "error"]
+    assert outs[0].token_ids == outs[1].token_ids
+    assert "can never fit" in outs[2].error
+    assert max(seen_running) == 1
+    assert engine.kv.num_free_pages() == 4
+
+
+def test_bad_requests_get_errors_and_the_engine_carries_on() -> None:
+    engine = _engine()
+    prompts = [[], [5, 6], [10**6], [7] * 600, [8, 9]]
+    params = [SamplingParams(max_tokens=3)] * 4 + [SamplingParams(max_tokens=3, ignore_eos=True)]
+    outs = engine.generate(prompts, params)
+    assert [o.finish_reason for o in outs[:4]] == ["error", "length", "error", "error"]
+    assert "empty prompt" in outs[0].error
+    assert "vocabulary" in outs[2].error
+    assert "exceeds the model" in outs[3].error
+    assert outs[4].finish_reason == "length"
+    assert len(outs[4].token_ids) == 3
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(RequestError):
+            SamplingParams(**bad).check()
+    out = engine.generate([[5, 6]], SamplingParams(max_tokens=2, top_p=2.0))[0]
+    assert out.finish_reason == "error"
+    assert "top_p" in out.error
+    with pytest.raises(RequestError, match="unknown sampling"):
+        SamplingParams.from_dict({"max_token": 3})
+    with pytest.raises(ConfigError, match="tokenizer"):
+        engine.encode("text without a tokenizer")
+
+
+def test_stop_tokens_max_tokens_and_streaming() -> None:
+    engine = _engine()
+    first = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    stopped = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, stop_token_ids=(first[1],)))[0]
+    assert stopped.token_ids == first[:2]
+    assert stopped.finish_reason == "stop"
+    events = list(engine.stream([PROMPTS[0], PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert [e.token_id for e in events if e.request_id == 0] == first[:3]
+    assert [e.finish_reason for e in events if e.finish_reason] == ["length", "length"]
+
+
+def test_seeded_sampling_is_reproducible_across_engines() -> None:
+    p = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    a = _engine().generate([PROMPTS[2], PROMPTS[0]], p)
+    b = _engine().generate([PROMPTS[0], PROMPTS[2]], p)
+    assert a[0].token_ids == b[1].token_ids
+    assert a[1].token_ids == b[0].token_ids
+
+
+def test_empty_step_is_a_noop() -> None:
+    engine = _engine()
+    assert engine.step() == []
+    assert not engine.has_work
+
+
+def test_serve_job_json_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from zerodram.runtime.engine import jobs
+
+    lines = [
+        json.dumps({"prompt_ids": [5, 6, 7], "params": {"max_tokens": 3, "ignore_eos": True}, "id": "a"}),
+        "not json",
+        json.dumps({"prompt_ids": [], "id": "empty"}),
+        json.dumps(
+            {
+                "prompt_ids": [9, 9],
+                "params": {"max_tokens": 2, "temperature": 0.5, "seed": 1, "ignore_eos": True},
+            }
+        ),
+    ]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    ctx = SimpleNamespace(
+        rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", topology=None, timeout_s=30
+    )
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    rc = jobs.serve(
+        ctx, ["--model", "random:tiny-moe", "--kv", "fp32", "--input", str(inp), "--output", str(out)]
+    )
+    assert rc == 0
+    recs = {str(r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["a"]["finish_reason"] == "length"
+    assert len(recs["a"]["token_ids"]) == 3
+    assert recs["1"]["finish_reason"] == "error"
+    assert "bad request line" in recs["1"]["error"]
+    assert "empty prompt" in recs["empty"]["error"]
+    assert len(recs["3"]["token_ids"]) == 2

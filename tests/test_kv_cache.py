@@ -1,0 +1,191 @@
+"""Paged caches: token-by-token equals chunked appends, fork/free, errors, reference attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerodram.runtime.errors import ConfigError, ZerodramError
+from zerodram.runtime.kv.attention import reference_decode_attention
+from zerodram.runtime.kv.cache import make_kv_cache
+from zerodram.runtime.kv.errors import KVCapacityError, KVInputError
+from zerodram.runtime.kv.pack import unpack_codes
+
+H, D, P = 2, 64, 64
+FORMATS = ["bf16", "fp8", "fp2", "fp2:kblk=t32,vblk=c32,scale=e8m0,asym=1,rot=0", "fp2:sinks=0,tail=64", "fp2:tail=1,window=32", "fp2:kblk=t16,tail=16,window=8"]
+
+
+def _cache(fmt: str, num_pages: int = 8, **kw):
+    return make_kv_cache(fmt, num_pages=num_pages, page_size=P, num_kv_heads=H, head_dim=D, **kw)
+
+
+def _tokens(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V whose values encode their token index (self-checking rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.arange(n, dtype=torch.float32)[:, None, None]
+    k = torch.randn(n, H, D, generator=gen) + 0.01 * pos
+    v = torch.randn(n, H, D, generator=gen) - 0.01 * pos
+    return k, v
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(FORMATS), st.integers(1, 200), st.lists(st.integers(1, 70), min_size=1, max_size=4))
+def test_token_by_token_equals_chunks(fmt: str, n: int, chunks: list[int]) -> None:
+    k, v = _tokens(n)
+    a, b = _cache(fmt), _cache(fmt)
+    sa, sb = a.new_sequence(), b.new_sequence()
+    for i in range(n):
+        a.append(sa, k[i : i + 1], v[i : i + 1])
+    i = 0
+    for c in chunks * (n // max(sum(chunks), 1) + 1):
+        if i >= n:
+            break
+        b.append(sb, k[i : i + c], v[i : i + c])
+        i += c
+    ka, va = a.gather(sa)
+    kb, vb = b.gather(sb)
+    assert a.seq_len(sa) == b.seq_len(sb) == n
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize(("fmt", "tol"), [("bf16", 0.01), ("fp8", 0.05), ("fp2", 0.4)])
+def test_read_back_error(fmt: str, tol: float) -> None:
+    k, v = _tokens(300, seed=1)
+    c = _cache(fmt)
+    s = c.new_sequence()
+    c.append(s, k, v)
+    kh, vh = c.gather(s)
+    assert kh.shape == k.shape
+    assert float((kh - k).norm() / k.norm()) < tol
+    assert float((vh - v).norm() / v.norm()) < tol
+
+
+def test_fp2_sinks_and_tail_stay_high_precision() -> None:
+    c = _cache("fp2:sinks=4,tail=32")
+    k, v = _tokens(4 + 64 + 10)
+    s = c.new_sequence()
+    c.append(s, k, v)
+    kh, _ = c.gather(s)
+    bf = lambda x: float((kh[x] - k[x]).abs().max())  # noqa: E731
+    assert bf(slice(0, 4)) < 0.05 and bf(slice(68, 78)) < 0.05  # bf16 rows (rotation rounding)
+    assert bf(slice(4, 68)) > 0.1  # quantized
+    assert len(c.tables.pages[s]) == 1  # 64 FP2 tokens: exactly one page
+
+
+def test_fp2_pages_match_documented_layout() -> None:
+    """Word codes[p, h, t, c // 16] bits 2*(c % 16) hold the code of (t, h, c)."""
+    from zerodram.runtime.kv.quantize import quantize_tokens, to_stored_space
+
+    c = _cache("fp2:sinks=0,tail=64,rot=0")
+    k, v = _tokens(64, seed=3)
+    s = c.new_sequence()
+    c.append(s, k, v)
+    page = c.tables.pages[s][0]
+    words = c.k.codes[page]  # [H, P, D/16]
+    codes = unpack_codes(words)  # [H, P, D]
+    y = to_stored_space(k, c.params[0]).to(torch.bfloat16).float()
+    ref = quantize_tokens(y, c.spec.k, c.params[0].__class__(levels=c.params[0].levels, anchor=torch.ones(H, D)))
+    assert torch.equal(codes.transpose(0, 1), ref.codes)
+    t, h, ch = 5, 1, 37
+    bit = (int(words[h, t, ch // 16]) & 0xFFFFFFFF) >> (2 * (ch % 16)) & 3
+    assert bit == int(ref.codes[t, h, ch])
+
+
+def test_fork_copies_and_free_returns_pages() -> None:
+    c = _cache("fp2", num_pages=4)
+    k, v = _tokens(100)
+    s = c.new_sequence()
+    c.append(s, k, v)
+    f = c.fork(s)
+    assert torch.equal(c.gather(s)[0], c.gather(f)[0])
+    kk, vv = _tokens(40, seed=9)
+    c.append(f, kk, vv)
+    assert c.seq_len(s) == 100 and c.seq_len(f) == 140
+    used = c.allocator.num_free
+    c.free(f)
+    assert c.allocator.num_free > used
+    with pytest.raises(KVInputError, match="unknown sequence"):
+        c.gather(f)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp2"])
+def test_exhausted_pool_raises_capacity_error_and_writes_nothing(fmt: str) -> None:
+    c = _cache(fmt, num_pages=2)
+    s = c.new_sequence()
+    k, v = _tokens(400)
+    with pytest.raises(KVCapacityError, match="exhausted"):
+        c.append(s, k, v)
+    assert c.seq_len(s) == 0 and c.allocator.num_free == 2
+    assert issubclass(KVCapacityError, ZerodramError)
+
+
+def test_slots_exhausted() -> None:
+    c = _cache("bf16", max_seqs=1)
+    c.new_sequence()
+    with pytest.raises(KVCapacityError, match="slots"):
+        c.new_sequence()
+
+
+@pytest.mark.parametrize(
+    ("k", "match"),
+    [
+        (torch.zeros(3, H + 1, D), "must be"),
+        (torch.zeros(3, H, D, dtype=torch.int32), "fp32, bf16 or fp16"),
+        (torch.zeros(H, D), "must be"),
+    ],
+)
+def test_bad_inputs(k: torch.Tensor, match: str) -> None:
+    c = _cache("fp2")
+    s = c.new_sequence()
+    with pytest.raises(KVInputError, match=match):
+        c.append(s, k, k)
+
+
+def test_wrong_device_is_rejected() -> None:
+    c = _cache("fp2", device="meta")
+    s = c.new_sequence()
+    with pytest.raises(KVInputError, match="lives on meta"):
+        c.append(s, torch.zeros(1, H, D), torch.zeros(1, H, D))
+
+
+def test_nan_rejected_and_not_written() -> None:
+    c = _cache("fp2", layer_idx=3)
+    s = c.new_sequence()
+    k, v = _tokens(10)
+    c.append(s, k, v)
+    bad = torch.zeros(2, H, D)
+    bad[1, 0, 5] = float("inf")
+    with pytest.raises(KVInputError, match=r"layer 3, KV head 0, position 11"):
+        c.append(s, bad, torch.zeros(2, H, D))
+    assert c.seq_len(s) == 10
+
+
+def test_unsupported_options_and_formats() -> None:
+    with pytest.raises(ConfigError):
+        _cache("int4")
+    with pytest.raises(ConfigError, match="outliers"):
+        _cache("fp2:kout=0.01")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp2"])
+def test_reference_decode_attention_gqa(fmt: str) -> None:
+    c = _cache(fmt)
+    seqs, lens = [], [5, 130]
+    kv = {}
+    for n in lens:
+        s = c.new_sequence()
+        k, v = _tokens(n, seed=n)
+        c.append(s, k, v)
+        seqs.append(s)
+        kv[s] = c.gather(s)
+    q = torch.randn(len(seqs), 2 * H, D)
+    out = reference_decode_attention(q, c, seqs)
+    for b, s in enumerate(seqs):
+        k, v = kv[s]
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # [n, Hq, D]
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kk) / D**0.5, -1)
+        assert torch.allclose(out[b], torch.einsum("hn,nhd->hd", p, vv), atol=1e-5)
+    with pytest.raises(KVInputError, match="multiple"):
+        reference_decode_attention(torch.randn(2, 3, D), c, seqs)

@@ -1,0 +1,171 @@
+"""Loading: expert placement, sharded safetensors reads, GGUF tensors and tokenizer, random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.loading.checkpoint import ModelSpec
+from zerodram.runtime.loading.placement import ExpertPlacement
+from zerodram.runtime.loading.random_init import random_weights
+from zerodram.runtime.loading.sources import SafetensorsDir
+from zerodram.runtime.loading.weights import load_model_weights
+from zerodram.runtime.model.config import ModelConfig
+from zerodram.runtime.model.named import named_config
+
+
+def test_contiguous_placement_and_topology_override() -> None:
+    p = ExpertPlacement.contiguous(8, 4)
+    assert p.expert_to_rank == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert p.local_experts(3) == (6, 7)
+    assert ExpertPlacement.contiguous(2, 4).local_experts(1) == ()  # more ranks than experts
+    topo = type("T", (), {"experts": type("E", (), {"num_experts": 4, "expert_to_rank": (1, 0, 1, 0)})()})()
+    assert ExpertPlacement.for_world(4, 2, topo).local_experts(0) == (1, 3)
+    assert ExpertPlacement.for_world(8, 2, topo).local_experts(0) == (0, 1, 2, 3)  # counts differ
+    with pytest.raises(ConfigError, match="world size"):
+        ExpertPlacement(2, 2, (0, 5))
+
+
+def test_random_weights_do_not_depend_on_placement() -> None:
+    cfg = named_config("tiny-moe")
+    one = random_weights(cfg, None, 0, dtype=torch.float32)
+    p = ExpertPlacement.contiguous(cfg.num_experts, 4)
+    shard = random_weights(cfg, p, 2, dtype=torch.float32)
+    assert shard["layers.1.experts.ids"].tolist() == [4, 5]
+    torch.testing.assert_close(shard["layers.1.experts.gate"], one["layers.1.experts.gate"][4:6])
+    torch.testing.assert_close(shard["layers.0.q"], one["layers.0.q"])
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    path = tmp_path_factory.mktemp("mix")
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_each_rank_reads_only_its_experts(tiny_mixtral: Path) -> None:
+    src = SafetensorsDir(tiny_mixtral)
+    cfg = ModelConfig.from_hf_dict(src.config_dict())
+    full = load_model_weights(src, cfg, None, 0)
+    place = ExpertPlacement.contiguous(4, 2)
+    reads: list[str] = []
+    orig = src.read
+    src.read = lambda name, *a: reads.append(name) or orig(name, *a)  # type: ignore[method-assign]
+    w1 = load_model_weights(src, cfg, place, 1)
+    assert w1["layers.0.experts.ids"].tolist() == [2, 3]
+    torch.testing.assert_close(w1["layers.0.experts.down"], full["layers.0.experts.down"][2:])
+    experts_read = {n.split(".experts.")[1].split(".")[0] for n in reads if ".experts." in n}
+    assert experts_read == {"2", "3"}
+    # a dense checkpoint sliced into experts reads row / column slices of its FFN
+    dense = cfg.__class__(
+        **{**cfg.__dict__, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0}
+    )
+    assert dense.as_dense_moe(4).moe_intermediate_size == 6
+
+
+def test_model_spec_parsing(tmp_path: Path) -> None:
+    assert ModelSpec.parse("random:seed-700b").kind == "random"
+    with pytest.raises(ConfigError, match="neither"):
+        ModelSpec.parse(str(tmp_path / "missing"))
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ConfigError, match=r"config\.json"):
+        SafetensorsDir(tmp_path / "ckpt")
+
+
+def _packaged() -> Path:
+    try:
+        return ModelSpec.parse("smollm2").path
+    except ConfigError as err:
+        pytest.skip(str(err))
+
+
+def test_gguf_tensors_match_transformers_reading(tmp_path: Path) -> None:
+    """Our q/k un-permutation and dequantization equal transformers' GGUF loader's."""
+    pytest.importorskip("transformers")
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor  # noqa: F401 (presence)
+
+    from zerodram.runtime.loading.gguf_file import GGUFFile
+
+    g = GGUFFile(_packaged())
+    cfg = ModelConfig.from_hf_dict(g.config_dict())
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings) == (
+        576,
+        30,
+        9,
+        3,
+        True,
+    )
+    raw = {t.name: t for t in g.reader.tensors}
+    for ours, theirs, heads in (("q_proj", "attn_q", 9), ("k_proj", "attn_k", 3)):
+        t = raw[f"blk.3.{theirs}.weight"]
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        # transformers' reverse_permute_weights
+        dim = w.shape[0] // heads // 2
+        want = w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+        torch.testing.assert_close(g.read(f"model.layers.3.self_attn.{ours}.weight"), want)
+
+
+def test_packaged_tokenizer_matches_transformers_ids() -> None:
+    from zerodram.runtime.loading.checkpoint import checkpoint_dir
+    from zerodram.runtime.loading.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint_dir(ModelSpec.parse("smollm2")) if _packaged() else None)
+    ids = tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
+    # transformers 5.24, AutoTokenizer.from_pretrained(gguf_file=...).apply_chat_template(...)
+    assert ids == [
+        1,
+        9690,
+        198,
+        2683,
+        359,
+        253,
+        5356,
+        5646,
+        11173,
+        3365,
+        3511,
+        308,
+        34519,
+        28,
+        7018,
+        411,
+        407,
+        19712,
+        8182,
+        2,
+        198,
+        1,
+        4093,
+        198,
+        1780,
+        314,
+        260,
+        3575,
+        282,
+        4649,
+        47,
+        2,
+        198,
+        1,
+        520,
+        9531,
+        198,
+    ]
+    text = "Hello world!  The  quick\n\nbrown fox 2024 ... don't 🎉"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_ids == (2,)

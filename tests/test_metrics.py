@@ -1,0 +1,219 @@
+"""Metrics on one rank: timers, counters, KV-quality errors, snapshots, transports, staleness."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from zerodram.runtime.metrics import (
+    PHASES,
+    ClusterSampler,
+    CpuStepTimer,
+    InProcessBus,
+    KvQualitySampler,
+    KvStats,
+    MetricsAgent,
+    MetricsCollector,
+    MetricsReader,
+    RankSnapshot,
+    StorePublisher,
+    StoreReader,
+    make_step_timer,
+)
+from zerodram.runtime.metrics.collector import percentile
+from zerodram.runtime.metrics.counters import CounterVector, RateWindow
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_cpu_timer_adds_up_phases_over_layers() -> None:
+    timer = make_step_timer("cpu")
+    assert isinstance(timer, CpuStepTimer)
+    timer.begin_step()
+    for _ in range(3):  # three "layers": attention is marked three times and its times add up
+        _busy(0.002)
+        timer.mark("attention")
+        timer.mark("experts")
+    _busy(0.001)
+    timer.mark("sampling")
+    timer.end_step()
+    (timing,) = timer.drain()
+    phases = dict(zip(PHASES, timing.phase_ms, strict=True))
+    assert phases["attention"] >= 6.0
+    assert phases["dispatch"] == 0.0
+    assert phases["sampling"] >= 1.0
+    assert sum(timing.phase_ms) <= timing.total_ms
+    assert timer.drain() == []
+
+
+def test_cpu_timer_samples_phases_every_nth_step() -> None:
+    timer = CpuStepTimer(sample_every=2)
+    for _ in range(4):
+        timer.begin_step()
+        timer.mark("attention")
+        timer.end_step()
+    got = timer.drain()
+    assert [t.phase_ms is not None for t in got] == [True, False, True, False]
+    with pytest.raises(KeyError):
+        timer.mark("not-a-phase")
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) == 0.0
+
+
+def test_counter_vector_and_rate_window() -> None:
+    c = CounterVector(3)
+    c.add([1, 2, 3])
+    c.add(torch.tensor([1, 0, 1]))
+    assert c.read() == [2.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="3 values given 2"):
+        c.add([1, 2])
+    w = RateWindow(1, window_s=2.0, t0=0.0)
+    assert w.update(1.0, [10.0]) == ([10.0], 1.0)
+    w.update(2.5, [25.0])
+    gained, dt = w.update(5.0, [50.0])  # the oldest reading kept is the newest >= 2 s old
+    assert dt == pytest.approx(2.5)
+    assert gained == [25.0]
+
+
+def test_kv_quality_errors_are_exact_for_a_known_distortion() -> None:
+    kvq = KvQualitySampler(num_layers=2, period=1)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(8, 4, 16, generator=gen)  # [T, H, Dh]
+    v = torch.randn(8, 4, 16, generator=gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    assert kvq.maybe_sample(1, k, k * 1.1, v, v * 0.95, q)
+    (layer,) = kvq.summarize()
+    assert layer.layer_idx == 1
+    assert layer.num_samples == 1
+    assert layer.k_rel_err == pytest.approx(0.1, rel=1e-4)
+    assert layer.v_rel_err == pytest.approx(0.05, rel=1e-4)
+    assert layer.score_rel_err == pytest.approx(0.1, rel=1e-4)  # scores scale with K
+    with pytest.raises(ValueError, match="dequantized"):
+        kvq.maybe_sample(0, k, k[:4], v, v)
+
+
+def test_kv_quality_samples_at_its_rate_and_keeps_only_few_rows() -> None:
+    kvq = KvQualitySampler(num_layers=1, period=8, max_rows=4)
+    k = torch.randn(64, 16)
+    kept = [kvq.maybe_sample(0, k, k, k, k) for _ in range(32)]
+    assert sum(kept) == 4
+    assert all(s.tensors[0].shape == (4, 16) for s in kvq._pending)
+    assert kvq.summarize()[0].k_rel_err == 0.0
+
+
+def _fill(collector: MetricsCollector, steps: int, tokens: int) -> None:
+    for _ in range(steps):
+        collector.timer.begin_step()
+        for phase in PHASES:
+            collector.timer.mark(phase)
+        collector.record_expert_counts([3, 1, 0, 0])
+        collector.record_dispatch_bytes([100, 300])
+        collector.end_step(num_tokens=tokens)
+
+
+def test_collector_snapshot_roundtrips_through_json() -> None:
+    c = MetricsCollector(1, 2, "cpu", num_layers=2, expert_idx=range(4), kv_quality_period=1)
+    _fill(c, steps=10, tokens=8)
+    k = torch.randn(4, 16)
+    c.kv_quality.maybe_sample(0, k, k * 1.2, k, k)
+    c.set_requests(num_running=8, num_queued=3)
+    c.set_kv(num_pages_used=25, num_pages_free=75, used_bytes=25 * 1024, bf16_bytes=25 * 8192)
+    c.warn("slow step")
+    c.timeout("waited for rank 0")
+    snap = c.snapshot()
+    assert RankSnapshot.from_json(snap.to_json()) == snap
+    assert (snap.rank, snap.seq, snap.num_steps, snap.num_tokens) == (1, 1, 10, 80)
+    assert snap.tokens_per_s == pytest.approx(80 / snap.uptime_s, rel=0.05)
+    assert snap.phase("total").num_samples == 10
+    assert snap.expert_counts == (30, 10, 0, 0)
+    assert snap.expert_imbalance == pytest.approx(3.0)
+    assert snap.send_bytes_per_s[1] == pytest.approx(3 * snap.send_bytes_per_s[0])
+    assert snap.kv.occupancy == 0.25
+    assert snap.kv.saved_bytes == 25 * 7168
+    assert snap.kv_quality[0].k_rel_err == pytest.approx(0.2, rel=1e-4)
+    assert (snap.num_warnings, snap.num_timeouts) == (1, 1)
+    assert [w.level for w in snap.recent_warnings] == ["warning", "timeout"]
+    assert c.snapshot().seq == 2
+
+
+def test_from_json_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not a rank snapshot"):
+        RankSnapshot.from_json("{not json")
+    with pytest.raises(ValueError, match="version"):
+        RankSnapshot.from_json('{"v": 99}')
+
+
+def _snap(rank: int, seq: int, state: str = "running") -> str:
+    return RankSnapshot(rank=rank, seq=seq, time_s=0.0, uptime_s=1.0, state=state, kv=KvStats()).to_json()
+
+
+def test_cluster_sampler_marks_stale_missing_and_stopped() -> None:
+    now = [100.0]
+    bus = InProcessBus(4)
+    sampler = ClusterSampler(bus.reader(), 4, stale_after_s=2.0, clock=lambda: now[0])
+    bus.publisher(0).publish(_snap(0, 1))
+    bus.publisher(1).publish(_snap(1, 1))
+    bus.publisher(2).publish(_snap(2, 1, state="stopped"))
+    assert [r.status for r in sampler.sample().ranks] == ["ok", "ok", "stopped", "missing"]
+    now[0] += 3.0
+    bus.publisher(0).publish(_snap(0, 2))  # rank 0 moved on, rank 1 did not
+    ranks = sampler.sample().ranks
+    assert [r.status for r in ranks] == ["ok", "stale", "stopped", "missing"]
+    assert ranks[1].age_s == pytest.approx(3.0)
+
+
+class _BrokenReader(MetricsReader):
+    world_size = 2
+
+    def read(self) -> dict[int, str]:
+        raise ConnectionError("store went away\nmore detail")
+
+
+def test_cluster_sampler_survives_a_broken_transport() -> None:
+    cluster = ClusterSampler(_BrokenReader(), 2).sample()
+    assert cluster.error == "ConnectionError: store went away"
+    assert [r.status for r in cluster.ranks] == ["missing", "missing"]
+
+
+def test_store_transport_does_not_block_on_absent_ranks() -> None:
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    StorePublisher(2, store).publish(_snap(2, 5))
+    reader = StoreReader(4, store)
+    t0 = time.monotonic()
+    blobs = reader.read()
+    assert time.monotonic() - t0 < 1.0, "an absent rank must not cost the store timeout"
+    assert list(blobs) == [2]
+    assert RankSnapshot.from_json(blobs[2]).seq == 5
+    StorePublisher(0, store).publish(_snap(0, 1))
+    StorePublisher(2, store).publish(_snap(2, 6))
+    blobs = reader.read()
+    assert sorted(blobs) == [0, 2]
+    assert RankSnapshot.from_json(blobs[2]).seq == 6
+
+
+def test_agent_publishes_periodically_and_a_final_stopped_snapshot() -> None:
+    bus = InProcessBus(1)
+    c = MetricsCollector(0, 1, "cpu")
+    agent = MetricsAgent(c, bus.publisher(0), period_s=0.1).start()
+    deadline = time.monotonic() + 5
+    while agent.num_published < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    agent.stop()
+    agent.stop()  # idempotent
+    last = RankSnapshot.from_json(bus.reader().read()[0])
+    assert agent.num_published >= 3
+    assert last.state == "stopped"

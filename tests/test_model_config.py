@@ -1,0 +1,138 @@
+"""ModelConfig: parsing HF configs, named configs, parameter counts (no allocation), RoPE scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.model.config import ModelConfig, RopeScaling
+from zerodram.runtime.model.named import NAMED_CONFIGS, named_config
+from zerodram.runtime.model.rope import inv_frequencies
+
+
+def test_seed_700b_param_count() -> None:
+    cfg = named_config("seed-700b")
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8192, 64, 8, 128)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_layers) == (
+        32,
+        16384,
+        2,
+        54,
+    )
+    total, active = cfg.param_counts()
+    # per layer: attention 2*8192*8192 + 2*8192*1024, experts 32 * 3*8192*16384, router 8192*32
+    per_layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 32 * 3 * 8192 * 16384 + 8192 * 32 + 2 * 8192
+    assert total == 54 * per_layer + 2 * 32000 * 8192 + 8192
+    assert 700e9 < total < 706e9  # ≈ 703B
+    assert 51e9 < active < 53e9  # ≈ 52B
+
+
+@pytest.mark.parametrize(
+    ("name", "total_b", "active_b"), [("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3)]
+)
+def test_named_counts_match_the_published_models(name: str, total_b: float, active_b: float) -> None:
+    total, active = named_config(name).param_counts()
+    assert total / 1e9 == pytest.approx(total_b, rel=0.02)
+    assert active / 1e9 == pytest.approx(active_b, rel=0.05)
+
+
+def test_every_named_config_is_valid_and_unknown_names_list_them() -> None:
+    for cfg in NAMED_CONFIGS.values():
+        assert cfg.param_counts()[0] > cfg.param_counts()[1] or not cfg.is_moe
+    with pytest.raises(ConfigError, match="seed-700b"):
+        named_config("nope")
+
+
+def test_dense_as_moe_slices_the_ffn() -> None:
+    cfg = named_config("tiny-dense")
+    moe = cfg.as_dense_moe(4)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (4, 4, 32)
+    assert moe.router_kind == "dense_slices"
+    assert moe.param_counts() == cfg.param_counts()
+    with pytest.raises(ConfigError, match="does not split"):
+        cfg.as_dense_moe(5)
+    with pytest.raises(ConfigError, match="already an MoE"):
+        moe.as_dense_moe(2)
+
+
+def test_parse_hf_configs_v4_and_v5_spellings() -> None:
+    base = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "hidden_act": "silu",
+    }
+    v5 = ModelConfig.from_hf_dict(
+        {
+            **base,
+            "model_type": "qwen2_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+        }
+    )
+    assert v5.shared_expert_gate
+    assert v5.attention_bias
+    assert not v5.norm_topk_prob
+    assert v5.rope_theta == 5e5
+    assert v5.rope_scaling == RopeScaling("linear", 2.0)
+    v4 = ModelConfig.from_hf_dict(
+        {
+            **base,
+            "model_type": "llama",
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
+    assert v4.rope_scaling.kind == "llama3"
+    assert not v4.is_moe
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="rope type"):
+        ModelConfig.from_hf_dict(
+            {**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    ],
+)
+def test_rope_frequencies_match_transformers(params: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=131072, rope_parameters=dict(params)
+    )
+    ours = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "model_type": "llama"})
+    got = inv_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    if params["rope_type"] == "default":
+        want = 1.0 / (params["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
+    torch.testing.assert_close(got, want.float())
