@@ -88,6 +88,9 @@ def _header_dirs(nvshmem: bool) -> tuple[str, ...]:
             found, why = None, err
         else:
             why = None
+        if found is not None and found.found_via != "site-packages" and ENVS.ALLOW_SYSTEM_CUDA_HEADERS.get():
+            dirs.append(found.abs_path)  # opted in: e.g. the GPU image has no pip cccl headers
+            continue
         if found is None or found.found_via != "site-packages":
             pkg = {
                 "cudart": "cuda-toolkit[cudart]",

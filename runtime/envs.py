@@ -75,6 +75,13 @@ class _Registry:
     WAIT_TIMEOUT_S = EnvVar(
         "ZERODRAM_WAIT_TIMEOUT_S", float, 60.0, "bound on every cross-rank wait, host or device"
     )
+    ALLOW_SYSTEM_CUDA_HEADERS = EnvVar(
+        "ZERODRAM_ALLOW_SYSTEM_CUDA_HEADERS",
+        bool,
+        False,
+        "let the kernel JIT take CUDA headers from CUDA_HOME or /usr/local/cuda when a pip "
+        "header package is missing (off by default: a system toolkit can hide a missing dependency)",
+    )
     FORCE_CPU = EnvVar("ZERODRAM_FORCE_CPU", bool, False, "ignore GPUs even when present")
     # --- expert parallelism (runtime/moe, runtime/comm) ---
     EP_BACKEND = EnvVar(
