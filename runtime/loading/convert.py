@@ -48,7 +48,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        tensors = {name: g.read(name).contiguous() for name in g}
+        tensors = {name: g.read(name).contiguous() for name in g.names()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(g.config_dict(), indent=2))
         (tmp / "tokenizer.json").write_text(g.tokenizer_json())

@@ -139,7 +139,8 @@ class GGUFFile:
     def config_dict(self) -> dict[str, Any]:
         return dict(self._hf)
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
+        """Every tensor name, in Hugging Face spelling (stacked experts listed one by one)."""
         return [*self._tensors, *self._experts]
 
     def has(self, name: str) -> bool:
