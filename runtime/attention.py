@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError
 
@@ -166,6 +167,7 @@ class Fp2DecodeAttention:
         softmax_scale: float | None = None,
         num_warps: int = 4,
         stages: int = 4,
+        min_blocks: int = 1,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -189,18 +191,20 @@ class Fp2DecodeAttention:
             scale_dtype,
         )
         self.max_batch, self.max_fp2_tokens = max_batch, max_fp2_tokens
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
 
             self.kernels = Fp2Kernels(
-                Fp2KernelConfig(head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages)
+                Fp2KernelConfig(
+                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks
+                )
             )
             self.kernels.load()
             props = torch.cuda.get_device_properties(self.device)
-            self.num_sms = props.multi_processor_count
+            self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
             self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
             f32 = {"dtype": torch.float32, "device": self.device}
             self.o_part = torch.empty(max_batch, num_q_heads, self.max_splits, head_dim, **f32)
@@ -209,22 +213,28 @@ class Fp2DecodeAttention:
             self.q16 = torch.empty(max_batch, num_q_heads, head_dim, dtype=torch.float16, device=self.device)
             self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
 
-    # CTAs of the decode kernel resident per SM (128 registers x 128 threads, <= 48 KB smem).
-    CTAS_PER_SM = 4
+    CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
+    SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
     MIN_SPLIT_TOKENS = 1024  # >= 8 stages per warp, so the prologue and the combine stay small
 
     def plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
         """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only).
 
-        Enough splits that B * Hkv * splits fills the resident CTA slots once, none shorter than
-        MIN_SPLIT_TOKENS; split_tokens is a multiple of the 32-token stage.
+        The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
+        partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
+        about L / s + SPLIT_OVERHEAD_TOKENS token-times (prologue, combine, merge) and the kernel
+        ceil(N * s / slots) of them: take the s that minimises that (the smaller on ties), none
+        shorter than MIN_SPLIT_TOKENS; split_tokens is a multiple of the 32-token stage.
         """
-        slots = getattr(self, "num_sms", 132) * self.CTAS_PER_SM
-        want = max(1, math.ceil(slots / (batch_size * self.num_kv_heads)))
-        most = max(1, math.ceil(max(max_len, 1) / self.MIN_SPLIT_TOKENS))
-        splits = min(want, most)
-        split_tokens = 32 * math.ceil(max(max_len, 1) / splits / 32)
-        return math.ceil(max(max_len, 1) / split_tokens), split_tokens
+        slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
+        rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
+        most = max(1, math.ceil(L / self.MIN_SPLIT_TOKENS))
+        splits = min(
+            range(1, most + 1),
+            key=lambda s: math.ceil(rows * s / slots) * (L / s + self.SPLIT_OVERHEAD_TOKENS),
+        )
+        split_tokens = 32 * math.ceil(L / splits / 32)
+        return math.ceil(L / split_tokens), split_tokens
 
     def check(self, q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch) -> None:
         """Host-only validation of dtypes, shapes, contiguity and devices. Raises KVInputError."""
@@ -325,7 +335,7 @@ class Fp2Writer:
             raise ConfigError(f"the write kernel implements absmax and mse, got {k_rule!r} / {v_rule!r}")
         self.head_dim, self.k_block, self.v_block, self.scale_dtype = head_dim, k_block, v_block, scale_dtype
         self.rules = (k_rule, v_rule)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.on_gpu = self.device.type == "cuda"
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.allocator import BlockTables, PageAllocator
 from zerodram.runtime.kv.errors import KVInputError
@@ -49,7 +50,7 @@ class KVCache(ABC):
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.layer_idx = layer_idx
         self.allocator = PageAllocator(num_pages)
         self.tables = BlockTables(max_seqs, max_pages_per_seq or num_pages)
