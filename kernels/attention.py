@@ -34,6 +34,7 @@ class Fp2KernelConfig:
     scale_dtype: str = "e4m3"
     num_warps: int = 4
     stages: int = 4
+    min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -44,6 +45,7 @@ class Fp2KernelConfig:
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype],
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
+            "MIN_BLOCKS": self.min_blocks,
         }
 
     def build_options(self, kernel: str) -> BuildOptions:
@@ -97,6 +99,11 @@ class Fp2Kernels:
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""
         _ = self._decode, self._merge, self._write
+
+    def decode_ctas_per_sm(self) -> int:
+        """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
+        occ = self._decode.occupancy
+        return int(occ.max_active_blocks_per_multiprocessor(32 * self.cfg.num_warps, self.cfg.decode_smem_bytes))
 
     def decode(
         self,

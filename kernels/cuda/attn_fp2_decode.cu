@@ -47,6 +47,9 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
+#endif
 
 namespace {
 
@@ -254,7 +257,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 // fp2_lo / fp2_hi [B] int32: the FP2 tokens [lo, hi) to attend to
 // o_part   [B, Hq, max_splits, D] fp32 unnormalised partial outputs (V channels in stored order)
 // ml_part  [B, Hq, max_splits, 2] fp32 (running max in log2 units, sum of exponentials)
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attn_fp2_decode(const __half* __restrict__ q, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
                     const uint8_t* __restrict__ v_scales, long long code_page_stride,

@@ -95,6 +95,9 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     const int h = i / D, c = i % D;
     const size_t row = (size_t(b) * num_q_heads + kvh * GROUP + h) * max_splits;
     float o = 0.f;
+    // Unrolled so that several splits' loads are in flight at once: at B = 1 this kernel has only
+    // Hkv CTAs and a serial chain of dependent loads would dominate the whole attention.
+#pragma unroll 8
     for (int s = 0; s < n_splits; ++s) o = fmaf(wts[h * width + s], o_part[(row + s) * D + c], o);
     for (int j = 0; j < n_hp; ++j)
       o = fmaf(wts[h * width + max_splits + j], __bfloat162float(vb[size_t(j) * D + c]), o);

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU-machine session: install, run the GPU tests, time the benchmarks, keep raw output.
+#
+#   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch decode
+#
+# Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh). The GPU image has
+# no pip CCCL headers, so the kernel JIT is allowed to take the system toolkit's there.
+# NVLink multicast stays off (shared hosts: see the device notes).
+set -uo pipefail
+out=${1:?usage: gpu_session.sh OUTDIR [STEP ...]}
+shift
+steps=${*:-tests attention profile}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export ZERODRAM_ALLOW_SYSTEM_CUDA_HEADERS=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv;
+  nvidia-smi topo -m; python3 -c 'import torch; print("torch", torch.__version__)'; } >"$out/machine.txt" 2>&1
+
+for step in $steps; do
+  echo "=== $step $(date -u +%T)"
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+    attention) timeout 240 python3 benchmarks/attention.py --json ${ATTN_ARGS:-} 2>&1 | tee "$out/attention.log" | grep -v '^{' ;;
+    profile) timeout 100 ncu --target-processes all -k regex:attn_fp2_decode -c 1 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+               python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
+               >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue" "$out/ncu-attention.txt" | head -30 ;;
+    dispatch) timeout 300 python3 benchmarks/dispatch.py --iters 10 --json 2>&1 | tee "$out/dispatch.log" | grep -v '^{' | tail -30 ;;
+    decode) timeout 300 python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
