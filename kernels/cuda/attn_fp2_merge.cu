@@ -52,41 +52,50 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     qs[i] = __half2float(q[(size_t(b) * num_q_heads + kvh * GROUP) * D + i]);
   __syncthreads();
 
-  // Logits of the bf16 tokens: one thread per (head, token), a D-long dot product.
+  // Logits of the bf16 tokens: one warp per (head, token), lanes over channels, so that a key row
+  // is one coalesced read and a warp has several rows in flight (a thread per row would walk its
+  // row with one dependent global load per step: tens of microseconds at HP = 36).
   const long long slot = hp_slot[b];
   const __nv_bfloat16* kb = hp_k + slot * hp_b_stride + kvh * hp_h_stride;
-  for (int i = threadIdx.x; i < GROUP * n_hp; i += kThreads) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < GROUP * n_hp; i += kThreads / 32) {
     const int h = i / n_hp, j = i % n_hp;
     const __nv_bfloat162* krow = reinterpret_cast<const __nv_bfloat162*>(kb + size_t(j) * D);
     float acc = 0.f;
-#pragma unroll 8
-    for (int c = 0; c < D / 2; ++c) {
+#pragma unroll
+    for (int c = lane; c < D / 2; c += 32) {
       const float2 kv = __bfloat1622float2(krow[c]);
       acc = fmaf(qs[h * D + 2 * c], kv.x, fmaf(qs[h * D + 2 * c + 1], kv.y, acc));
     }
-    wts[h * width + max_splits + j] = acc;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) wts[h * width + max_splits + j] = acc;
   }
   __syncthreads();
 
-  // One thread per head: global max, weights of every split and bf16 token, 1 / sum.
-  if (threadIdx.x < GROUP) {
-    const int h = threadIdx.x;
+  // One warp per head, lanes over splits and bf16 tokens: global max, the weight of every split
+  // and token, 1 / sum (at B = 1 there are ~66 splits: a serial walk would dominate the kernel).
+  for (int h = warp; h < GROUP; h += kThreads / 32) {
     const size_t row = (size_t(b) * num_q_heads + kvh * GROUP + h) * max_splits;
     float mx = ZD_NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, ml_part[(row + s) * 2]);
-    for (int j = 0; j < n_hp; ++j) mx = fmaxf(mx, wts[h * width + max_splits + j]);
+    for (int s = lane; s < n_splits; s += 32) mx = fmaxf(mx, ml_part[(row + s) * 2]);
+    for (int j = lane; j < n_hp; j += 32) mx = fmaxf(mx, wts[h * width + max_splits + j]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float l = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
+    for (int s = lane; s < n_splits; s += 32) {
       const float w = zd::ex2(ml_part[(row + s) * 2] - mx);
       wts[h * width + s] = w;
       l += w * ml_part[(row + s) * 2 + 1];
     }
-    for (int j = 0; j < n_hp; ++j) {
+    for (int j = lane; j < n_hp; j += 32) {
       const float w = zd::ex2(wts[h * width + max_splits + j] - mx);
       wts[h * width + max_splits + j] = w;
       l += w;
     }
-    inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a sequence with no token at all gives zeros
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a sequence with no token at all: zeros
   }
   __syncthreads();
 
@@ -99,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     // Hkv CTAs and a serial chain of dependent loads would dominate the whole attention.
 #pragma unroll 8
     for (int s = 0; s < n_splits; ++s) o = fmaf(wts[h * width + s], o_part[(row + s) * D + c], o);
+#pragma unroll 8
     for (int j = 0; j < n_hp; ++j)
       o = fmaf(wts[h * width + max_splits + j], __bfloat162float(vb[size_t(j) * D + c]), o);
     out[(size_t(b) * num_q_heads + kvh * GROUP + h) * D + c] = o * inv_l[h];
