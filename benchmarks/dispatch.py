@@ -8,8 +8,11 @@ perf_counter, host-driven only, a tiny grid. Beside every figure: bytes this ran
 physical floor = bytes / link bandwidth (the topology's slowest peer link; for one rank, the
 measured device copy bandwidth, since every row is then a local copy). One JSON line per case.
 
-Runs as one rank by itself, or under torchrun (`zerodram launch --topology T -- ...` style) as a
-collective: every rank runs every case, rank 0 prints.
+Runs as one rank by itself, or under torchrun as a collective: every rank runs every case, rank 0
+prints. Several PEs on one GPU (correctness of the multi-rank path, not its speed: the processes
+time-slice the GPU):
+
+    ZERODRAM_TOPOLOGY=h200-1x4pe torchrun --nproc-per-node 4 benchmarks/dispatch.py --paths nvshmem
 """
 
 from __future__ import annotations
@@ -96,7 +99,14 @@ def _context() -> tuple[Any, bool]:
     from zerodram.runtime.envs import ENVS
 
     if ENVS.RANK.get() is not None:
-        return RankContext.create(device="cuda" if torch.cuda.is_available() else "cpu"), True
+        # Under torchrun: the topology named by ZERODRAM_TOPOLOGY (if any) maps ranks to GPUs, e.g.
+        # h200-1x4pe puts four PEs on one GPU (NVSHMEM path only: NCCL refuses a shared GPU).
+        from zerodram.runtime.topology import load_topology, resolve_topology_path
+
+        name = ENVS.TOPOLOGY.get()
+        topology = load_topology(resolve_topology_path(name)) if name else None
+        device = None if topology else ("cuda" if torch.cuda.is_available() else "cpu")
+        return RankContext.create(topology, device=device), True
     import socket
 
     with socket.socket() as s:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install, run the GPU tests, time the benchmarks, keep raw output.
 #
-#   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch decode
+#   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe decode
 #
 # Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh). The GPU image has
 # no pip CCCL headers, so the kernel JIT is allowed to take the system toolkit's there.
@@ -30,6 +30,9 @@ for step in $steps; do
                python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
                >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue" "$out/ncu-attention.txt" | head -30 ;;
     dispatch) timeout 300 python3 benchmarks/dispatch.py --iters 10 --json 2>&1 | tee "$out/dispatch.log" | grep -v '^{' | tail -30 ;;
+    dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout 240 torchrun --nproc-per-node 4 --master-port 29511 \
+               benchmarks/dispatch.py --paths nvshmem --tokens 1,128 --iters 5 --warmup 2 --json 2>&1 \
+               | tee "$out/dispatch-4pe.log" | grep -v '^{' | tail -20 ;;
     decode) timeout 300 python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
