@@ -193,3 +193,47 @@ def test_silent_pe_is_named_by_the_device_wait() -> None:
     assert "from rank 1" in results[0], results[0]
     assert "dispatch rows" in results[0], results[0]
     assert float(results[0].split("s ", 1)[0]) < 10, results[0]
+
+
+def _graph_replays(ctx) -> int:
+    """The whole EP layer (fused router, dispatch, grouped experts, combine) captured once in a
+    CUDA graph and replayed on fresh inputs: nothing on the path may sync with the host."""
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+    from zerodram.runtime.comm.nvshmem_session import NvshmemSession
+
+    gctx = _gpu_ctx(ctx)
+    W, rank, dev, E, K = gctx.world_size, gctx.rank, gctx.device, 8, 2
+    session = NvshmemSession.create(gctx, heap_bytes=1 << 28)
+    try:
+        weights = MoEWeights.random(E, D, F, seed=31, dtype=torch.bfloat16, device=dev)
+        router = RouterConfig(E, K, scoring="softmax", renormalize=True)
+        layout = EpLayout(ExpertPlacement.contiguous(rank, W, E), D, K, TM)
+        comm = NvshmemComm.create(gctx, layout, router, session=session)
+        layer = EpMoELayer(comm, weights.shard(layout.local_experts), gate_weight=weights.gate_weight)
+        x = torch.randn(TM - rank, D, device=dev).to(torch.bfloat16)
+        for _ in range(2):  # compile and load every kernel outside the capture
+            layer.forward(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = [layer.forward(x), layer.forward(x)]  # both phases: replays find the phase they expect
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, generator=g).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            comm.check()
+            idx, w = route(gate_logits(x, weights.gate_weight), router)
+            ref = reference_experts(x.float(), idx, w, _float(weights)).to(torch.bfloat16)
+            for y in ys:
+                torch.testing.assert_close(y, ref, atol=3e-2, rtol=3e-2)
+        comm.close()
+    finally:
+        session.close()
+    return 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ep_layer_replays_from_a_cuda_graph(world_size: int) -> None:
+    results = run_ranks(_graph_replays, world_size, timeout_s=300, rank_timeout_s=120, device="cpu")
+    assert results == [3] * world_size
