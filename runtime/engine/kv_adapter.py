@@ -110,6 +110,33 @@ class RuntimeKVPartition:
             )
         cache.append(slot, k, v)
 
+    def roundtrip(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What k, v [n, Hkv, Dh] read back as once stored in this format, fp32 (KV-quality
+        telemetry); None when that cannot be told from these tokens alone.
+
+        FP2: quantized then dequantized with the layer's parameters, the values the tokens take
+        once they leave the bf16 tail (exact for the default per-token channel blocks; token-axis
+        blocks need whole blocks of tokens). Dense formats: a cast to the page dtype and back.
+        """
+        cache = self.caches[layer_idx]
+        if cache.format != "fp2":
+            if cache.dtype == torch.float8_e4m3fn:  # the cache clamps to e4m3's range
+                return k.float().clamp(-448, 448).to(cache.dtype).float(), v.float().clamp(
+                    -448, 448
+                ).to(cache.dtype).float()
+            return k.to(cache.dtype).float(), v.to(cache.dtype).float()
+        from zerodram.runtime.kv.quantize import fake_quantize
+
+        spec = cache.spec
+        if any(s.block_axis == "token" and k.shape[0] % s.block_size for s in (spec.k, spec.v)):
+            return None
+        return (
+            fake_quantize(k.float(), spec.k, cache.params[0], what="K", layer_idx=layer_idx),
+            fake_quantize(v.float(), spec.v, cache.params[1], what="V", layer_idx=layer_idx),
+        )
+
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.caches[layer_idx].gather(self._slots[seq_id][layer_idx])  # [n, Hkv, Dh] fp32
         return k[:length].to(self.compute_dtype), v[:length].to(self.compute_dtype)

@@ -87,10 +87,30 @@ class KvQualitySampler:
             IndexError: `layer_idx` outside [0, num_layers).
             ValueError: K and its dequantized copy (or V and its copy) differ in shape.
         """
+        if not self.take_turn(layer_idx):
+            return False
+        self.record(layer_idx, k_fp, k_deq, v_fp, v_deq, q)
+        return True
+
+    def take_turn(self, layer_idx: int) -> bool:
+        """True when this write of `layer_idx` is to be sampled (then call `record`): lets a
+        caller that must compute the dequantized copy do so only for the writes kept."""
         self._countdown[layer_idx] -= 1
         if self._countdown[layer_idx] > 0:
             return False
         self._countdown[layer_idx] = self.period
+        return True
+
+    def record(
+        self,
+        layer_idx: int,
+        k_fp: torch.Tensor,
+        k_deq: torch.Tensor,
+        v_fp: torch.Tensor,
+        v_deq: torch.Tensor,
+        q: torch.Tensor | None = None,
+    ) -> None:
+        """Keep this sample unconditionally (see `maybe_sample` for arguments and errors)."""
         if k_fp.shape != k_deq.shape or v_fp.shape != v_deq.shape:
             raise ValueError(
                 f"layer {layer_idx}: K {tuple(k_fp.shape)} vs dequantized {tuple(k_deq.shape)}, "
@@ -114,7 +134,6 @@ class KvQualitySampler:
             host = tuple(r.clone() for r in rows)
         with self._lock:
             self._pending.append(_Sample(layer_idx, host, ready))
-        return True
 
     @staticmethod
     def _rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
