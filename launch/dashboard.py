@@ -22,6 +22,7 @@ This module is launch-side only; the engine never imports it.
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import logging
 import math
@@ -202,12 +203,18 @@ def _cluster_table(cluster: ClusterSnapshot, topology: Any, width: int, collapse
     return table
 
 
-def _heatmap(cluster: ClusterSnapshot, topology: Any, width: int, ranks_shown: bool) -> Panel:
-    num_experts = getattr(getattr(topology, "experts", None), "num_experts", None)
+def _heatmap(
+    cluster: ClusterSnapshot,
+    topology: Any,
+    width: int,
+    ranks_shown: bool,
+    expert_to_rank: Sequence[int] | None = None,
+) -> Panel:
+    owners = expert_to_rank or getattr(getattr(topology, "experts", None), "expert_to_rank", None)
+    num_experts = len(owners) if owners else None
     seen = [s.snapshot for s in cluster.ranks if s.snapshot is not None]
     if num_experts is None:
         num_experts = 1 + max((e for s in seen for e in s.expert_idx), default=-1)
-    owners = getattr(getattr(topology, "experts", None), "expert_to_rank", None)
     totals = cluster.expert_totals(num_experts)
     avail = max(width - 12, 8)
     seps = len(set(owners)) - 1 if owners else 0
@@ -332,6 +339,7 @@ def render(
     height: int = 40,
     throughput: Sequence[float] = (),
     kv_err_thresholds: tuple[float, float] = KV_ERR_THRESHOLDS,
+    expert_to_rank: Sequence[int] | None = None,
 ) -> RenderableType:
     """The dashboard for one `ClusterSnapshot`, fitted to `width` x `height` cells. Pure.
 
@@ -339,6 +347,8 @@ def render(
         cluster: every rank's status (from `ClusterSampler.sample()`).
         topology: lays the ranks out by node and names experts' owners (None: one flat group).
         throughput: recent cluster tokens/s, oldest first, for the sparkline.
+        expert_to_rank: the served model's expert placement, when it is not the topology's
+            (e.g. a dense model sliced into as many experts as ranks).
     """
     world = len(cluster.ranks)
     nodes = _nodes(topology, world)
@@ -369,7 +379,9 @@ def render(
     parts: list[RenderableType] = [header]
     parts.append(_cluster_table(cluster, topology, width, collapse=budget["table"] < 2 + len(nodes) + world))
     if budget["heat"]:
-        parts.append(_heatmap(cluster, topology, width, ranks_shown=budget["heat"] == heat_full))
+        parts.append(
+            _heatmap(cluster, topology, width, budget["heat"] == heat_full, expert_to_rank=expert_to_rank)
+        )
     if budget["kvq"]:
         parts.append(_kv_quality(cluster, width, kv_err_thresholds))
     parts.append(spark)
@@ -382,11 +394,14 @@ def render(
 
 
 def add_dashboard_args(parser: argparse.ArgumentParser) -> None:
-    """Add `--no-dashboard` and `--metrics-file PATH` to a command (serve, demo)."""
+    """Add `--no-dashboard`, `--metrics-file PATH` and `--svg PATH` to a command (serve, demo)."""
     parser.add_argument(
         "--no-dashboard", action="store_true", help="print a plain status line every few seconds instead"
     )
     parser.add_argument("--metrics-file", type=Path, metavar="PATH", help="append one JSON line per second")
+    parser.add_argument(
+        "--svg", type=Path, metavar="PATH", help="save the busiest frame of the run as an SVG (rank 0)"
+    )
 
 
 def dashboard_mode(no_dashboard: bool, console: Console | None = None) -> str:
@@ -410,6 +425,7 @@ class Dashboard:
         plain_every_s: seconds between plain lines.
         stale_after_s: a rank whose snapshot has not changed for this long is shown stale.
         renderer: the view function (default `render`), injectable for tests.
+        expert_to_rank: the served model's expert placement (see `render`).
     """
 
     def __init__(
@@ -426,6 +442,7 @@ class Dashboard:
         stale_after_s: float = 3.0,
         history: int = 240,
         renderer: Callable[..., RenderableType] = render,
+        expert_to_rank: Sequence[int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"dashboard mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -437,8 +454,11 @@ class Dashboard:
         self.period_s = 1.0 / refresh_hz
         self.plain_every_s, self.metrics_every_s = plain_every_s, metrics_every_s
         self.renderer = renderer
+        self.expert_to_rank = tuple(expert_to_rank) if expert_to_rank else None
         self.throughput: deque[float] = deque(maxlen=history)
         self.last: ClusterSnapshot | None = None
+        # the sample of highest cluster tokens/s and the throughput history up to it (`export`)
+        self.busiest: tuple[ClusterSnapshot, tuple[float, ...]] | None = None
         self.failed: dict[str, str] = {}  # sink -> first error
         self._t0 = time.monotonic()
         self._due = {"plain": 0.0, "file": 0.0}
@@ -484,6 +504,8 @@ class Dashboard:
         cluster = self.sampler.sample()
         self.last = cluster
         self.throughput.append(cluster.tokens_per_s)
+        if self.busiest is None or cluster.tokens_per_s >= self.busiest[0].tokens_per_s:
+            self.busiest = (cluster, tuple(self.throughput))
         now = time.monotonic()
         if "live" in self._sinks:
             self._guard("live", self._draw, cluster)
@@ -497,8 +519,37 @@ class Dashboard:
 
     def _draw(self, cluster: ClusterSnapshot) -> None:
         width, height = self.console.size
-        view = self.renderer(cluster, self.topology, width=width, height=height, throughput=self.throughput)
-        self._live.update(view, refresh=True)
+        self._live.update(self.view(cluster, width, height), refresh=True)
+
+    def view(
+        self, cluster: ClusterSnapshot, width: int, height: int, throughput: Sequence[float] | None = None
+    ) -> RenderableType:
+        """The frame for `cluster` at this size (with the throughput history so far by default)."""
+        return self.renderer(
+            cluster,
+            self.topology,
+            width=width,
+            height=height,
+            throughput=self.throughput if throughput is None else throughput,
+            expert_to_rank=self.expert_to_rank,
+        )
+
+    def export(self, width: int = 120, height: int = 40, *, frame: str = "last") -> Console:
+        """A frame drawn on an offscreen recording console (`export_text`, `save_svg`).
+
+        Args:
+            frame: "last" (the final sample) or "busiest" (the sample of highest tokens/s, with
+                the sparkline as it was then: what a run looks like while it serves).
+
+        Raises:
+            RuntimeError: nothing was sampled yet.
+        """
+        if self.last is None or self.busiest is None:
+            raise RuntimeError("the dashboard has not sampled any snapshot yet")
+        cluster, history = (self.last, tuple(self.throughput)) if frame == "last" else self.busiest
+        console = Console(record=True, width=width, height=height, file=io.StringIO(), force_terminal=True)
+        console.print(self.view(cluster, width, height, history))
+        return console
 
     def _print(self, cluster: ClusterSnapshot) -> None:
         line = plain_line(cluster, getattr(self.topology, "name", "ad-hoc"), time.monotonic() - self._t0)
