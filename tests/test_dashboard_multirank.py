@@ -118,10 +118,31 @@ def _serve_and_render(ctx: RankContext, metrics_file: str, svg: str) -> dict:
     }
 
 
+SERVE_LINES = [
+    json.dumps({"prompt_ids": [5, 6, 7], "params": {"max_tokens": 3, "ignore_eos": True}, "id": "a"}),
+    "{not json",
+    json.dumps({"prompt_ids": [1] * 600, "id": "long"}),
+    json.dumps({"prompt_ids": [9, 9], "params": {"top_p": 0}, "id": "top_p"}),
+    *(json.dumps({"prompt_ids": [i, 2], "params": {"max_tokens": 2, "ignore_eos": True}}) for i in range(6)),
+]
+
+
+def _serve_job(ctx: RankContext, tmp: str) -> int:
+    """The `serve` worker job itself, as torchrun would run it, with bad lines among good ones."""
+    from zerodram.launch.serve_cmd import serve_job
+
+    inp, out = Path(tmp) / "requests.jsonl", Path(tmp) / "results.jsonl"
+    if ctx.rank == 0:
+        inp.write_text("\n".join(SERVE_LINES) + "\n")
+    argv = ["--model", "random:tiny-moe", "--kv", "fp32", "--input", str(inp), "--output", str(out)]
+    return serve_job(ctx, [*argv, "--no-dashboard", "--metrics-file", str(Path(tmp) / "serve.jsonl")])
+
+
 def _both(ctx: RankContext, metrics_file: str, svg: str) -> dict:
-    # One job for both tests: starting four ranks costs ~10 s on a small machine.
+    # One job for all tests: starting four ranks costs ~10 s on a small machine.
     out = _publish_and_render(ctx)
     out["engine"] = _serve_and_render(ctx, metrics_file, svg)
+    out["serve_rc"] = _serve_job(ctx, str(Path(metrics_file).parent))
     return out
 
 
@@ -193,3 +214,21 @@ def test_a_real_engine_run_on_four_ranks_as_rank_zero_shows_it(
     assert records
     assert [r["snapshot"]["num_tokens"] for r in records[-1]["ranks"]] == [s.num_tokens for s in snaps]
     assert svg.read_text().startswith("<svg")
+
+
+def test_the_serve_job_on_four_ranks_answers_every_line(four_ranks: tuple[list[dict], Path, Path]) -> None:
+    results, path, _ = four_ranks
+    assert [r["serve_rc"] for r in results] == [0] * 4
+    recs = [json.loads(line) for line in (path.parent / "results.jsonl").read_text().splitlines()]
+    by_id = {str(r["id"]): r for r in recs}
+    assert len(recs) == len(SERVE_LINES)
+    assert by_id["a"]["finish_reason"] == "length"
+    assert len(by_id["a"]["token_ids"]) == 3
+    assert "bad request line" in by_id["1"]["error"]
+    assert "exceeds the model" in by_id["long"]["error"]
+    assert "top_p" in by_id["top_p"]["error"]
+    served = [r for r in recs if r["finish_reason"] == "length"]
+    assert len(served) == 7
+    assert {r["rank"] for r in served} == {0, 1, 2, 3}
+    last = json.loads((path.parent / "serve.jsonl").read_text().splitlines()[-1])
+    assert last["ranks"][0]["snapshot"]["num_errors"] == 3
