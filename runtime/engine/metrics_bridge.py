@@ -8,8 +8,7 @@ or by hand: `bridge = MetricsBridge(collector, expert_to_rank, hidden, bytes_per
 `engine.attach_observer(bridge, bridge.on_step, kv_probe=bridge.kv_probe(engine.kv))`.
 
 Phase names map onto the collector's: attention -> attention; router, dispatch -> dispatch;
-experts, ep (a whole EP layer timed as one) -> experts; combine -> combine; lm_head, sampling ->
-sampling. Each phase's end is a `timer.mark`, so host time between phases goes to the next one.
+experts -> experts; combine -> combine; lm_head, sampling -> sampling. Each phase's end is a `timer.mark`, so host time between phases goes to the next one.
 Routing: expert counts per step (all MoE layers summed) and the bytes each step would send to
 every peer (rows x hidden x element size, by owner rank). KV quality: every layer's freshly
 written K/V reach `kv_probe`, which on the sampler's turn (one step in `kv_quality_period` per
@@ -34,7 +33,6 @@ _PHASE_MAP = {
     "router": "dispatch",
     "dispatch": "dispatch",
     "experts": "experts",
-    "ep": "experts",
     "combine": "combine",
     "lm_head": "sampling",
     "sampling": "sampling",
