@@ -12,7 +12,8 @@ experts -> experts; combine -> combine; lm_head, sampling -> sampling. Each phas
 Routing: expert counts per step (all MoE layers summed) and the bytes each step would send to
 every peer (rows x hidden x element size, by owner rank). KV quality: every layer's freshly
 written K/V reach `kv_probe`, which on the sampler's turn (one step in `kv_quality_period` per
-layer) round-trips at most `PROBE_TOKENS` of them through the KV format and records the errors.
+layer) copies at most `PROBE_TOKENS` of them to the host; the publisher thread round-trips them
+through the KV format and computes the errors, so the step never waits for the quantizer.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class MetricsBridge:
         self.num_experts = len(expert_to_rank or ())
         self.owner = torch.tensor(expert_to_rank or (), dtype=torch.int64)
         self.row_bytes = hidden * bytes_per_elem
+        # On the routing's device, moved there at the first step: counting must never sync the
+        # step (scatter_add, not bincount, which reads the max back to size its output on CUDA).
         self._counts = torch.zeros(self.num_experts, dtype=torch.int64)
 
     def begin_step(self) -> None:
@@ -68,8 +71,13 @@ class MetricsBridge:
             self.timer.mark(_PHASE_MAP.get(name, "experts"))
 
     def routed(self, layer_idx: int, topk_idx: torch.Tensor) -> None:
-        if self.num_experts and topk_idx.numel():
-            self._counts += torch.bincount(topk_idx.flatten().cpu(), minlength=self.num_experts)
+        if not self.num_experts or not topk_idx.numel():
+            return
+        if self._counts.device != topk_idx.device:
+            self._counts = self._counts.to(topk_idx.device)
+            self.owner = self.owner.to(topk_idx.device)
+        idx = topk_idx.flatten()  # [T*K]
+        self._counts.scatter_add_(0, idx, torch.ones_like(idx))
 
     def on_step(self, stats: Any) -> None:
         c = self.collector
@@ -77,7 +85,8 @@ class MetricsBridge:
             if len(c.expert_idx) == self.num_experts:
                 c.record_expert_counts(self._counts.clone())
             W = c.world_size
-            per_rank = torch.bincount(self.owner, weights=self._counts.double(), minlength=W).long()
+            per_rank = torch.zeros(W, dtype=torch.int64, device=self._counts.device)
+            per_rank.scatter_add_(0, self.owner, self._counts)  # [W] rows sent to each rank
             c.record_dispatch_bytes(per_rank * self.row_bytes)
         c.set_requests(stats.num_running, stats.num_waiting)
         used = stats.kv_pages_used
@@ -101,9 +110,8 @@ class MetricsBridge:
             try:
                 pick = slice(None, None, max(1, k.shape[0] // PROBE_TOKENS))
                 k_s, v_s, q_s = k[pick][:PROBE_TOKENS], v[pick][:PROBE_TOKENS], q[pick][:PROBE_TOKENS]
-                back = kv.roundtrip(layer_idx, k_s, v_s)  # [n, Hkv, Dh] each, fp32
-                if back is not None:
-                    sampler.record(layer_idx, k_s.float(), back[0], v_s.float(), back[1], q_s.float())
+                # copied to the host as they are; the round trip runs when a snapshot is built
+                sampler.record_raw(layer_idx, k_s, v_s, q_s, kv.roundtrip)
             except Exception as err:
                 state["on"] = False
                 log.exception("KV-quality probe failed; switched off")
