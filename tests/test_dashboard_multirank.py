@@ -17,7 +17,7 @@ import pytest
 from multirank import run_ranks
 from rich.console import Console
 
-from zerodram.launch.dashboard import render
+from zerodram.launch.dashboard_view import render
 from zerodram.runtime.context import RankContext
 from zerodram.runtime.metrics import (
     PHASES,
