@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   set up .venv and run the main job on the embedded default (CPU, no GPU needed)
+#   make demo   set up .venv and run `zerodram demo`: the packaged SmolLM2 served as experts on
+#               four local CPU ranks with the FP2 KV cache and the live dashboard (no GPU needed)
 #   make test   set up .venv and run the whole test suite (what CI runs)
 PY    ?= python3
 VENV  := .venv
@@ -22,8 +23,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/zerodram topo show local-cpu-4
-	$(BIN)/zerodram launch --topology local-cpu-4 -- smoke
+	$(BIN)/zerodram demo
 
 lint: setup
 	$(BIN)/ruff check .

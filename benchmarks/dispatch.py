@@ -90,12 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _context() -> tuple[Any, bool]:
     """The torchrun rank context, or a one-rank world of this process."""
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
-    from zerodram.runtime.context import RankContext, TorchrunEnv
+    from zerodram.runtime.context import RankContext
     from zerodram.runtime.envs import ENVS
 
     if ENVS.RANK.get() is not None:
@@ -107,28 +104,7 @@ def _context() -> tuple[Any, bool]:
         topology = load_topology(resolve_topology_path(name)) if name else None
         device = None if topology else ("cuda" if torch.cuda.is_available() else "cpu")
         return RankContext.create(topology, device=device), True
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = TorchrunEnv(0, 0, 1, 1, 0, "127.0.0.1", port)
-    dev = (
-        torch.device("cuda", 0)
-        if torch.cuda.is_available() and not ENVS.FORCE_CPU.get()
-        else torch.device("cpu")
-    )
-    backend = "nccl" if dev.type == "cuda" else "gloo"
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    return RankContext(env, dev, backend, None, 60.0), True
+    return RankContext.single_process(), True
 
 
 def _copy_bandwidth(dev: torch.device) -> float:

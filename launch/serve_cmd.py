@@ -1,13 +1,53 @@
 """`zerodram serve`: the JSON-lines server on a topology's ranks (sugar over `zerodram launch`).
 
     zerodram serve --topology local-cpu-4 -- --model smollm2 --input requests.jsonl
-is `zerodram launch --topology local-cpu-4 -- serve --model smollm2 --input requests.jsonl`.
-The request and result formats are in `zerodram.runtime.engine.jobs`.
+is `zerodram launch --topology local-cpu-4 -- serve --model smollm2 --input requests.jsonl`;
+`serve_job` is what every rank runs. The request and result formats are in
+`zerodram.runtime.engine.jobs`. Results go to --output (default stdout); the dashboard then goes
+to stderr, so that stdout carries only JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
+
+
+def serve_job(ctx: Any, argv: list[str]) -> int:
+    """The serve worker job; returns 0. Every rank runs it; rank 0 reads and writes."""
+    import torch
+    from rich.console import Console
+
+    from zerodram.launch.dashboard import add_dashboard_args
+    from zerodram.launch.observe import observe
+    from zerodram.runtime.engine.jobs import add_engine_args, build_from_args, serve_lines
+
+    p = argparse.ArgumentParser(prog="serve", description="serve JSON-lines requests on every rank")
+    add_engine_args(p)
+    add_dashboard_args(p)
+    p.add_argument("--input", default="-", help="requests file (JSON lines; - = stdin), rank 0")
+    p.add_argument("--output", default="-", help="results file (JSON lines; - = stdout), rank 0")
+    args = p.parse_args(argv)
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(1)  # several ranks share few cores
+    engine = build_from_args(args, ctx)
+    if ctx.rank != 0:
+        with observe(ctx, engine, args):
+            serve_lines(engine, None, None)
+        return 0
+    fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
+    fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
+    console = Console(stderr=True) if fout is sys.stdout else None
+    try:
+        with observe(ctx, engine, args, console=console):
+            serve_lines(engine, fin, fout)
+    finally:
+        if fin is not sys.stdin:
+            fin.close()
+        if fout is not sys.stdout:
+            fout.close()
+    return 0
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -37,5 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-port", type=int, default=None)
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
-    p.add_argument("job_args", nargs=argparse.REMAINDER, help="-- [--model M] [--input F] [--kv K] ...")
+    p.add_argument(
+        "job_args",
+        nargs=argparse.REMAINDER,
+        help="-- [--model M] [--input F] [--kv K] [--no-dashboard] [--metrics-file PATH] ...",
+    )
     p.set_defaults(func=_cmd)

@@ -2,8 +2,9 @@
 
 The worker builds the rank context (torchrun's environment + the topology named by
 ZERODRAM_TOPOLOGY), runs one job from `JOBS`, and always tears the context down. A job is
-`fn(ctx: RankContext, argv: list[str]) -> int`; it lives in `zerodram.runtime` (thin launcher,
-fat library). Only rank 0 prints unless a job says otherwise.
+`fn(ctx: RankContext, argv: list[str]) -> int`: a thin entry point over `zerodram.runtime` (fat
+library); jobs that show the dashboard (serve, demo) live in launch/, next to their commands,
+because the runtime never imports the launch side. Only rank 0 prints unless a job says otherwise.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from zerodram.runtime.errors import ZerodramError
 # name -> "module:function". Add a job with one line.
 JOBS = {
     "smoke": "zerodram.runtime.smoke:run",
-    "serve": "zerodram.runtime.engine.jobs:serve",
-    "demo": "zerodram.runtime.engine.demo:run_demo",
+    "serve": "zerodram.launch.serve_cmd:serve_job",
+    "demo": "zerodram.launch.demo_cmd:demo_job",
 }
 
 

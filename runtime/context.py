@@ -166,6 +166,35 @@ class RankContext:
             )
         return cls(env, dev, backend, topology, timeout_s)
 
+    @classmethod
+    def single_process(cls, device: str | None = None, timeout_s: float | None = None) -> RankContext:
+        """This process as a one-rank world (benchmarks run outside torchrun): a process group on a
+        free loopback port, `device` "cuda" (GPU 0) or "cpu" (default: cuda when visible, unless
+        ZERODRAM_FORCE_CPU). Close it like any context."""
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = TorchrunEnv(0, 0, 1, 1, 0, "127.0.0.1", port)
+        timeout_s = float(timeout_s if timeout_s is not None else ENVS.WAIT_TIMEOUT_S.get())
+        want = device or ("cuda" if torch.cuda.is_available() and not ENVS.FORCE_CPU.get() else "cpu")
+        dev = torch.device("cuda", 0) if want == "cuda" else torch.device("cpu")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return cls(env, dev, backend, None, timeout_s)
+
     def barrier(self, what: str) -> None:
         """A bounded barrier; on expiry raises `RankTimeoutError` naming rank and purpose."""
         import torch.distributed as dist

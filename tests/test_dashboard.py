@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from zerodram.launch.dashboard import Dashboard, dashboard_mode, render, sparkline
+from zerodram.launch.dashboard import Dashboard, dashboard_mode
+from zerodram.launch.dashboard_view import render, sparkline
 from zerodram.launch.progress import progress_bar
 from zerodram.runtime.metrics import (
     PHASES,

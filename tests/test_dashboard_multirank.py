@@ -1,7 +1,9 @@
 """Four CPU ranks publish through the real store transport; rank 0 reads, renders and checks.
 
-Every rank's numbers encode its rank (tokens per step, requests, KV pages, its hot expert), so the
-test can tell from rank 0's render whose row is whose, and compare it with what each rank sent.
+First, hand-made metrics: every rank's numbers encode its rank (tokens per step, requests, KV
+pages, its hot expert), so the test can tell from rank 0's render whose row is whose, and compare
+it with what each rank sent. Then a real engine run (tiny random MoE, FP2 KV) under the serving
+jobs' `observe`: rank 0's last frame, plain lines and JSON lines against what the engine did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from multirank import run_ranks
 from rich.console import Console
 
-from zerodram.launch.dashboard import render
+from zerodram.launch.dashboard_view import render
 from zerodram.runtime.context import RankContext
 from zerodram.runtime.metrics import (
     PHASES,
@@ -25,7 +27,6 @@ from zerodram.runtime.metrics import (
     StorePublisher,
     StoreReader,
 )
-from zerodram.runtime.metrics.demo import run_metrics_demo
 from zerodram.runtime.metrics.summary import fmt_rate
 from zerodram.runtime.topology import load_topology, resolve_topology_path
 
@@ -83,22 +84,77 @@ def _publish_and_render(ctx: RankContext) -> dict:
     return out
 
 
-def _both(ctx: RankContext, demo_argv: list[str]) -> dict:
-    # One job for both tests: starting four ranks costs ~10 s on a small machine.
+ENGINE_PROMPTS = [[5 + i, 6, 7, 8 + i, 9] * (1 + i % 3) for i in range(8)] + [[]]  # the last is refused
+ENGINE_TOKENS = 12
+
+
+def _serve_and_render(ctx: RankContext, metrics_file: str, svg: str) -> dict:
+    """A real engine on every rank under `observe`; rank 0 returns its frames and outputs."""
+    import argparse
+
+    import torch
+
+    from zerodram.launch.observe import observe
+    from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
+    from zerodram.runtime.engine.build import build_engine
+
+    torch.set_num_threads(1)
+    # FP2 in channel blocks of 16: tiny-moe's head dim (the default blocks are 64 channels)
+    cfg = EngineConfig(kv_format="fp2:blk=c16", num_kv_pages=8, page_size=32, scheduler=SchedulerConfig(4, 32, 8))
+    engine = build_engine("random:tiny-moe", ctx, cfg)
+    args = argparse.Namespace(no_dashboard=True, metrics_file=Path(metrics_file), svg=Path(svg))
+    console = Console(record=True, width=WIDTH, file=io.StringIO())
+    with observe(ctx, engine, args, console=console) as dash:
+        outs = engine.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))
+    if ctx.rank != 0:
+        return {}
+    return {
+        "outs": [(o.rank, len(o.token_ids), o.finish_reason) for o in outs],
+        "last": [None if s.snapshot is None else s.snapshot.to_json() for s in dash.last.ranks],
+        "status": [s.status for s in dash.last.ranks],
+        "frame": dash.export(WIDTH, 60).export_text(),
+        "plain": console.export_text(),
+        "failed": dict(dash.failed),
+    }
+
+
+SERVE_LINES = [
+    json.dumps({"prompt_ids": [5, 6, 7], "params": {"max_tokens": 3, "ignore_eos": True}, "id": "a"}),
+    "{not json",
+    json.dumps({"prompt_ids": [1] * 600, "id": "long"}),
+    json.dumps({"prompt_ids": [9, 9], "params": {"top_p": 0}, "id": "top_p"}),
+    *(json.dumps({"prompt_ids": [i, 2], "params": {"max_tokens": 2, "ignore_eos": True}}) for i in range(6)),
+]
+
+
+def _serve_job(ctx: RankContext, tmp: str) -> int:
+    """The `serve` worker job itself, as torchrun would run it, with bad lines among good ones."""
+    from zerodram.launch.serve_cmd import serve_job
+
+    inp, out = Path(tmp) / "requests.jsonl", Path(tmp) / "results.jsonl"
+    if ctx.rank == 0:
+        inp.write_text("\n".join(SERVE_LINES) + "\n")
+    argv = ["--model", "random:tiny-moe", "--kv", "fp32", "--input", str(inp), "--output", str(out)]
+    return serve_job(ctx, [*argv, "--no-dashboard", "--metrics-file", str(Path(tmp) / "serve.jsonl")])
+
+
+def _both(ctx: RankContext, metrics_file: str, svg: str) -> dict:
+    # One job for all tests: starting four ranks costs ~10 s on a small machine.
     out = _publish_and_render(ctx)
-    out["demo_rc"] = run_metrics_demo(ctx, demo_argv)
+    out["engine"] = _serve_and_render(ctx, metrics_file, svg)
+    out["serve_rc"] = _serve_job(ctx, str(Path(metrics_file).parent))
     return out
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, Path]:
     topo = load_topology(resolve_topology_path("local-cpu-4"))
-    path = tmp_path_factory.mktemp("demo") / "metrics.jsonl"
-    argv = ["--seconds", "2.5", "--no-dashboard", "--metrics-file", str(path)]
-    return run_ranks(_both, 4, args=(argv,), topology=topo, timeout_s=90), path
+    tmp = tmp_path_factory.mktemp("engine")
+    path, svg = tmp / "metrics.jsonl", tmp / "dashboard.svg"
+    return run_ranks(_both, 4, args=(str(path), str(svg)), topology=topo, timeout_s=180), path, svg
 
 
-def test_four_ranks_through_the_store_to_rank_zero(four_ranks: tuple[list[dict], Path]) -> None:
+def test_four_ranks_through_the_store_to_rank_zero(four_ranks: tuple[list[dict], Path, Path]) -> None:
     results = four_ranks[0]
     zero = results[0]
     assert zero["first"] == ["ok"] * 4
@@ -122,16 +178,57 @@ def test_four_ranks_through_the_store_to_rank_zero(four_ranks: tuple[list[dict],
     assert "3/4 ok" in zero["second_text"]
 
 
-def test_metrics_demo_runs_on_four_ranks(four_ranks: tuple[list[dict], Path]) -> None:
-    results, path = four_ranks
-    assert [r["demo_rc"] for r in results] == [0, 0, 0, 0]
+def test_a_real_engine_run_on_four_ranks_as_rank_zero_shows_it(
+    four_ranks: tuple[list[dict], Path, Path],
+) -> None:
+    results, path, svg = four_ranks
+    run = results[0]["engine"]
+    outs = run["outs"]
+    assert outs[-1][2] == "error"
+    assert all(n == ENGINE_TOKENS and reason == "length" for _, n, reason in outs[:-1])
+    assert sorted({r for r, _, _ in outs[:-1]}) == [0, 1, 2, 3], "requests spread over every rank"
+    assert run["status"] == ["ok"] * 4
+    assert run["failed"] == {}
+    snaps = [RankSnapshot.from_json(j) for j in run["last"]]
+    # every sampled token is counted once, by the rank that owns the request
+    for snap in snaps:
+        assert snap.num_tokens == sum(n for r, n, _ in outs[:-1] if r == snap.rank)
+        assert snap.num_steps > 0
+        assert snap.kv.num_pages_used == 0, "every request finished: pages freed"
+        assert [q.layer_idx for q in snap.kv_quality] == [0, 1], "both layers' K/V sampled"
+        assert all(0.05 < q.k_rel_err < 1.0 and q.score_rel_err is not None for q in snap.kv_quality)
+        assert len(snap.expert_counts) == 8
+    assert snaps[0].num_errors == 1, "the refused request is counted on rank 0"
+    frame = run["frame"]
+    assert "4/4 ok" in frame
+    for snap in snaps:
+        (row,) = [line for line in frame.splitlines() if f"  r{snap.rank} cpu" in line]
+        assert f"{snap.phase('total').p50_ms:.2f}" in row, row
+        assert f"{snap.num_running}/{snap.num_queued}" in row
+    assert "KV quality" in frame
+    assert "no K/V samples yet" not in frame
+    assert "expert load" in frame
+    assert "errors 1" in frame
+    assert "zerodram local-cpu-4" in run["plain"], "plain lines without a terminal"
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(records) >= 2
-    last = records[-1]
-    assert len(last["ranks"]) == 4
-    assert any(all(r["status"] == "ok" for r in rec["ranks"]) for rec in records)
-    snaps = [r["snapshot"] for r in last["ranks"] if r["snapshot"] is not None]
-    assert snaps
-    assert all(s["num_steps"] > 0 and s["kv"]["num_pages_used"] > 0 for s in snaps)
-    assert all(s["kv_quality"] for s in snaps), "every rank sampled K/V quality"
-    assert last["tokens_per_s"] > 0
+    assert records
+    assert [r["snapshot"]["num_tokens"] for r in records[-1]["ranks"]] == [s.num_tokens for s in snaps]
+    assert svg.read_text().startswith("<svg")
+
+
+def test_the_serve_job_on_four_ranks_answers_every_line(four_ranks: tuple[list[dict], Path, Path]) -> None:
+    results, path, _ = four_ranks
+    assert [r["serve_rc"] for r in results] == [0] * 4
+    recs = [json.loads(line) for line in (path.parent / "results.jsonl").read_text().splitlines()]
+    by_id = {str(r["id"]): r for r in recs}
+    assert len(recs) == len(SERVE_LINES)
+    assert by_id["a"]["finish_reason"] == "length"
+    assert len(by_id["a"]["token_ids"]) == 3
+    assert "bad request line" in by_id["1"]["error"]
+    assert "exceeds the model" in by_id["long"]["error"]
+    assert "top_p" in by_id["top_p"]["error"]
+    served = [r for r in recs if r["finish_reason"] == "length"]
+    assert len(served) == 7
+    assert {r["rank"] for r in served} == {0, 1, 2, 3}
+    last = json.loads((path.parent / "serve.jsonl").read_text().splitlines()[-1])
+    assert last["ranks"][0]["snapshot"]["num_errors"] == 3

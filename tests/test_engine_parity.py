@@ -1,5 +1,6 @@
-"""Greedy parity with Hugging Face transformers, one process: tiny random Mixtral and Qwen2-MoE
-checkpoints written in the test, and the packaged SmolLM2 served as experts (dense-as-MoE).
+"""Greedy parity with Hugging Face transformers, one process, fp32 and BF16 KV pages: tiny random
+Mixtral and Qwen2-MoE (with a gated shared expert) checkpoints written in the test, and the
+packaged SmolLM2 served as experts (dense-as-MoE).
 
 The multi-rank versions (2 and 4 ranks) are in test_engine_multirank.py and reuse these helpers.
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_support import MAX_TOKENS, PROMPTS, SMOL_QUESTIONS, engine_greedy
+from test_engine_support import MAX_TOKENS, PARITY_KV, PROMPTS, SMOL_QUESTIONS, engine_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,24 +106,25 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return tiny_references(tmp_path_factory.mktemp("tiny"))[0]
 
 
+@pytest.mark.parametrize("kv", PARITY_KV)
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_tiny_moe_greedy_matches_transformers(tiny_ckpts: dict[str, Path], kind: str) -> None:
+def test_tiny_moe_greedy_matches_transformers(tiny_ckpts: dict[str, Path], kind: str, kv: str) -> None:
     want = _CACHE["tiny"][1][kind]
     assert len({tuple(w) for w in want}) > 1
     assert any(len(set(w)) > 3 for w in want)
-    got = engine_greedy(str(tiny_ckpts[kind]), None, PROMPTS, MAX_TOKENS)
+    got = engine_greedy(str(tiny_ckpts[kind]), None, PROMPTS, MAX_TOKENS, kv=kv)
     assert got == want
 
 
-def test_tiny_moe_bf16_kv_runs(tiny_ckpts: dict[str, Path]) -> None:
-    for kv in ("bf16", "fp8"):
-        got = engine_greedy(str(tiny_ckpts["mixtral"]), None, PROMPTS, MAX_TOKENS, kv=kv, page_size=32)
-        assert [len(g) for g in got] == [MAX_TOKENS] * len(PROMPTS)
+def test_tiny_moe_fp8_kv_runs(tiny_ckpts: dict[str, Path]) -> None:
+    got = engine_greedy(str(tiny_ckpts["mixtral"]), None, PROMPTS, MAX_TOKENS, kv="fp8")
+    assert [len(g) for g in got] == [MAX_TOKENS] * len(PROMPTS)
 
 
-def test_smollm2_as_experts_matches_transformers() -> None:
+@pytest.mark.parametrize("kv", PARITY_KV)
+def test_smollm2_as_experts_matches_transformers(kv: str) -> None:
     prompts, want = smollm2_references(6)
-    assert engine_greedy("smollm2", None, prompts, 6, num_experts=4) == want
+    assert engine_greedy("smollm2", None, prompts, 6, kv=kv, num_experts=4) == want
 
 
 def test_dense_as_moe_reproduces_the_dense_model() -> None:

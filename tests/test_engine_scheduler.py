@@ -4,7 +4,6 @@ stop conditions, streaming, the serve job's JSON lines. Tiny random weights (no 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,8 +105,8 @@ def test_empty_step_is_a_noop() -> None:
     assert not engine.has_work
 
 
-def test_serve_job_json_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from zerodram.runtime.engine import jobs
+def test_serve_lines_json_lines(tmp_path) -> None:
+    from zerodram.runtime.engine.jobs import serve_lines
 
     lines = [
         json.dumps({"prompt_ids": [5, 6, 7], "params": {"max_tokens": 3, "ignore_eos": True}, "id": "a"}),
@@ -119,22 +118,26 @@ def test_serve_job_json_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None
                 "params": {"max_tokens": 2, "temperature": 0.5, "seed": 1, "ignore_eos": True},
             }
         ),
+        json.dumps({"prompt": "text without a tokenizer", "id": "text"}),
+        json.dumps({"prompt_ids": [1, 2], "params": {"max_tokens": "3"}, "id": "str"}),
+        json.dumps({"prompt_ids": 5, "id": "int"}),
+        json.dumps([1, 2, 3]),
+        json.dumps({"prompt_ids": [1, 2], "params": {"top_p": 0.5, "stop_token_ids": 7}, "id": "stops"}),
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    ctx = SimpleNamespace(
-        rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", topology=None, timeout_s=30
-    )
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    rc = jobs.serve(
-        ctx, ["--model", "random:tiny-moe", "--kv", "fp32", "--input", str(inp), "--output", str(out)]
-    )
-    assert rc == 0
+    with inp.open() as fin, out.open("w") as fout:
+        serve_lines(_engine(), fin, fout)
     recs = {str(r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(recs) == len(lines)
     assert recs["a"]["finish_reason"] == "length"
     assert len(recs["a"]["token_ids"]) == 3
     assert recs["1"]["finish_reason"] == "error"
     assert "bad request line" in recs["1"]["error"]
     assert "empty prompt" in recs["empty"]["error"]
     assert len(recs["3"]["token_ids"]) == 2
+    assert "tokenizer" in recs["text"]["error"]
+    assert "max_tokens" in recs["str"]["error"]
+    for key in ("int", "7", "stops"):
+        assert recs[key]["finish_reason"] == "error", recs[key]

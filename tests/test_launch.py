@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,24 +91,30 @@ def test_smoke_job_on_the_harness() -> None:
 
 
 @pytest.mark.slow
-def test_real_torchrun_end_to_end() -> None:
-    """The README's path: `zerodram launch` execs torchrun, which starts 4 CPU ranks."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ZERODRAM_WAIT_TIMEOUT_S="60")
-    cmd = [
-        sys.executable,
-        "-m",
-        "zerodram.launch.cli",
-        "launch",
-        "--topology",
-        "local-cpu-4",
-        "--master-port",
-        str(free_port()),
-        "--",
-        "smoke",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "smoke ok: local-cpu-4: 4 ranks on cpu (gloo)" in proc.stdout
+def test_the_readme_demo_end_to_end(tmp_path: Path) -> None:
+    """The README's path, shortened: `zerodram demo` execs torchrun, which starts 4 CPU ranks that
+    serve the packaged SmolLM2 as experts with the FP2 KV cache; rank 0 prints plain lines (no
+    terminal here), the answers, and appends metrics JSON lines."""
+    from zerodram.runtime.loading.checkpoint import find_packaged_gguf
+
+    try:
+        find_packaged_gguf()
+    except ConfigError as err:
+        pytest.skip(str(err))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ZERODRAM_WAIT_TIMEOUT_S="120")
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "zerodram.launch.cli", "demo", "--", "--max-tokens", "8"]
+    cmd += ["--prompt", "What is the capital of France?", "--prompt", "Name a fruit."]
+    cmd += ["--metrics-file", str(metrics)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "SmolLM2-135M-Instruct as 4 experts over 4 rank(s), KV fp2" in out
+    assert "zerodram local-cpu-4 t=" in out, "plain status lines"
+    assert "Paris" in out
+    assert "[rank 1, 8 tokens" in out, "the second request served on rank 1"
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert [r["status"] for r in last["ranks"]] == ["ok"] * 4
 
 
 @pytest.mark.slow

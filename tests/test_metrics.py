@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 
 import pytest
@@ -113,6 +114,34 @@ def test_kv_quality_samples_at_its_rate_and_keeps_only_few_rows() -> None:
     assert sum(kept) == 4
     assert all(s.tensors[0].shape == (4, 16) for s in kvq._pending)
     assert kvq.summarize()[0].k_rel_err == 0.0
+
+
+def test_kv_quality_round_trip_runs_when_summarized_off_the_step(caplog: pytest.LogCaptureFixture) -> None:
+    kvq = KvQualitySampler(num_layers=3, period=1)
+    gen = torch.Generator().manual_seed(1)
+    k, v, q = (torch.randn(4, h, 16, generator=gen) for h in (2, 2, 4))  # [n, Hkv|Hq, Dh]
+    calls = []
+
+    def roundtrip(layer_idx: int, k_host: torch.Tensor, v_host: torch.Tensor):
+        calls.append(layer_idx)
+        if layer_idx == 1:
+            return None  # the format cannot tell from these tokens: sample dropped
+        if layer_idx == 2:
+            raise RuntimeError("broken quantizer")
+        return k_host * 1.2, v_host * 0.9
+
+    for layer in range(3):
+        kvq.record_raw(layer, k, v, q, roundtrip)
+    k.mul_(0)  # the step goes on and overwrites its tensors: the sample kept its own copy
+    assert calls == [], "nothing is computed when recording"
+    with caplog.at_level(logging.ERROR, logger="zerodram.metrics"):
+        (layer,) = kvq.summarize()
+    assert calls == [0, 1, 2]
+    assert layer.layer_idx == 0
+    assert layer.k_rel_err == pytest.approx(0.2, rel=1e-4)
+    assert layer.v_rel_err == pytest.approx(0.1, rel=1e-4)
+    assert layer.score_rel_err == pytest.approx(0.2, rel=1e-4)
+    assert "broken quantizer" in caplog.text
 
 
 def _fill(collector: MetricsCollector, steps: int, tokens: int) -> None:

@@ -22,7 +22,7 @@ from zerodram.runtime.engine.request import Request, RequestOutput, SamplingPara
 from zerodram.runtime.engine.sampler import make_generator, sample
 from zerodram.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.model.attention import PagedAttention
+from zerodram.runtime.model.attention import KVProbe, PagedAttention
 from zerodram.runtime.model.transformer import Transformer
 
 
@@ -110,17 +110,29 @@ class Engine:
         self._next_id = 0
         self.step_idx = 0
         self.use_cuda_graphs = self.config.cuda_graphs and self.device.type == "cuda"
+        self.on_error: Callable[[str], None] | None = None
 
     # --- observation ---------------------------------------------------------------------------
 
-    def attach_observer(self, timer: object, on_step: Callable[[StepStats], None] | None) -> None:
-        """Route phase timing / routing hooks to `timer` and step stats to `on_step` (metrics)."""
+    def attach_observer(
+        self,
+        timer: object,
+        on_step: Callable[[StepStats], None] | None,
+        *,
+        kv_probe: KVProbe | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        """Route metrics hooks: phase timing / routing to `timer`, step stats to `on_step`, each
+        layer's freshly written K/V (with its queries) to `kv_probe`, refused requests' messages
+        (rank 0) to `on_error`. All are called on the step thread and must be cheap."""
         self.model.timer = timer
         for layer in self.model.layers:
             ep = getattr(layer, "ep", None)
             if ep is not None and hasattr(ep, "timer"):
                 ep.timer = timer
         self.on_step = on_step
+        self.attn.probe = kv_probe
+        self.on_error = on_error
 
     @property
     def expert_to_rank(self) -> tuple[int, ...] | None:

@@ -1,14 +1,15 @@
-"""Worker jobs of the engine: `serve` (JSON lines in, JSON lines out) and `demo`.
+"""What the serving commands share: engine options, building from them, and the JSON-lines loop.
 
-    zerodram launch --topology local-cpu-4 -- serve --model smollm2 --input requests.jsonl
-    zerodram launch --topology local-cpu-4 -- demo            (what `zerodram demo` runs)
+    engine = build_from_args(args, ctx)                 # after add_engine_args(parser)
+    serve_lines(engine, sys.stdin, sys.stdout)          # every rank; rank 0 reads and writes
 
-serve: rank 0 reads one JSON object per line from --input (default stdin):
+The worker jobs `serve` and `demo` themselves live in launch/ (they also show the dashboard).
+serve_lines: rank 0 reads one JSON object per line:
     {"prompt": "text" | "prompt_ids": [ids], "params": {"max_tokens": 16, "temperature": 0.7,
      "top_p": 0.9, "seed": 1, "stop_token_ids": [], "ignore_eos": false}, "chat": true, "id": any}
-and writes one JSON object per finished request to --output (default stdout):
+and writes one JSON object per finished request:
     {"id": ..., "text": ..., "token_ids": [...], "finish_reason": "stop"|"length"|"error",
-     "error": "..." (errors only), "num_prompt_tokens": n, "rank": owner rank}
+     "error": "..." (errors only), "rank": owner rank}
 A malformed line gets an error line; the server carries on. Every rank runs the lockstep loop.
 """
 
@@ -86,8 +87,8 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
 class LineSource:
     """Rank 0's JSON-lines request reader: a thread fills a queue; the step loop polls it."""
 
-    def __init__(self, engine: Any, stream: Any, out: Any) -> None:
-        self.engine, self.out = engine, out
+    def __init__(self, engine: Any, stream: Any) -> None:
+        self.engine = engine
         self._q: queue.Queue = queue.Queue()
         self._eof = threading.Event()
         self._next = 0
@@ -135,50 +136,34 @@ class LineSource:
         return self._eof.is_set() and self._q.empty()
 
 
-def serve(ctx: Any, argv: list[str]) -> int:
-    """The `serve` worker job (see the module docstring)."""
-    import torch
+def serve_lines(engine: Any, fin: Any, fout: Any) -> None:
+    """Serve JSON-lines requests from `fin` until it ends (see the module docstring).
 
+    Collective: every rank calls it; only rank 0 reads `fin` and writes `fout` (others pass None).
+    """
     from zerodram.runtime.engine.lockstep import ListSource, run_lockstep
 
-    p = argparse.ArgumentParser(prog="serve", description="serve JSON-lines requests on every rank")
-    add_engine_args(p)
-    p.add_argument("--input", default="-", help="requests file (JSON lines; - = stdin), rank 0")
-    p.add_argument("--output", default="-", help="results file (JSON lines; - = stdout), rank 0")
-    args = p.parse_args(argv)
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(1)  # several ranks share few cores
-    engine = build_from_args(args, ctx)
-    if ctx.rank != 0:
+    if engine.rank != 0:
         for _ in run_lockstep(engine, ListSource([])):
             pass
-        return 0
-    fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
-    fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
-    try:
-        source = LineSource(engine, fin, fout)
-        tokens: dict[int, list[int]] = {}
-        for ev in run_lockstep(engine, source):
-            if ev.token_id is not None:
-                tokens.setdefault(ev.request_id, []).append(ev.token_id)
-            if ev.finish_reason is None:
-                continue
-            ids = tokens.pop(ev.request_id, [])
-            rec = {
-                "id": source.keys.get(ev.request_id, ev.request_id),
-                "finish_reason": ev.finish_reason,
-                "token_ids": ids,
-                "rank": ev.rank,
-            }
-            if ev.error is not None:
-                rec["error"] = ev.error
-            elif engine.tokenizer is not None:
-                rec["text"] = engine.tokenizer.decode(ids)
-            fout.write(json.dumps(rec) + "\n")
-            fout.flush()
-    finally:
-        if fin is not sys.stdin:
-            fin.close()
-        if fout is not sys.stdout:
-            fout.close()
-    return 0
+        return
+    source = LineSource(engine, fin)
+    tokens: dict[int, list[int]] = {}
+    for ev in run_lockstep(engine, source):
+        if ev.token_id is not None:
+            tokens.setdefault(ev.request_id, []).append(ev.token_id)
+        if ev.finish_reason is None:
+            continue
+        ids = tokens.pop(ev.request_id, [])
+        rec = {
+            "id": source.keys.get(ev.request_id, ev.request_id),
+            "finish_reason": ev.finish_reason,
+            "token_ids": ids,
+            "rank": ev.rank,
+        }
+        if ev.error is not None:
+            rec["error"] = ev.error
+        elif engine.tokenizer is not None:
+            rec["text"] = engine.tokenizer.decode(ids)
+        fout.write(json.dumps(rec) + "\n")
+        fout.flush()

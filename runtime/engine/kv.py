@@ -48,6 +48,12 @@ class KVPartition(Protocol):
 
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def roundtrip(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What k, v [n, Hkv, Dh] read back as once stored (fp32), for KV-quality telemetry."""
+        ...
+
 
 _TORCH_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -127,6 +133,12 @@ class TorchPagedKV:
         pages, offs = self._slots(seq_id, start_pos, k.shape[0])
         self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)
         self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)
+
+    def roundtrip(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """k, v [n, Hkv, Dh] as they read back from these pages (a cast there and back), fp32."""
+        return k.to(self.k_pages.dtype).float(), v.to(self.v_pages.dtype).float()
 
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         pages, offs = self._slots(seq_id, 0, length)

@@ -13,6 +13,7 @@ a prefill chunk after its attention), which the adapter checks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -57,6 +58,7 @@ class RuntimeKVPartition:
         self.page_bytes = int(2 * num_layers * self.page_size * num_kv_heads * head_dim * bits / 8)
         self._reserved: dict[int, int] = {}  # seq_id -> pages reserved
         self._slots: dict[int, list[int]] = {}  # seq_id -> the cache's sequence id, per layer
+        self._param_copies: dict[tuple[int, str], tuple] = {}  # (layer, device) -> FP2 params there
 
     def stored_bytes(self) -> tuple[int, int]:
         """(bytes the live tokens take in this format, bytes they would take in bf16), all layers.
@@ -109,6 +111,52 @@ class RuntimeKVPartition:
                 "(runtime/kv caches are append-only)"
             )
         cache.append(slot, k, v)
+
+    def roundtrip(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What k, v [n, Hkv, Dh] read back as once stored in this format, fp32 (KV-quality
+        telemetry; k, v may be host copies of device data); None when that cannot be told from
+        these tokens alone.
+
+        FP2: quantized then dequantized with the layer's parameters, the values the tokens take
+        once they leave the bf16 tail (exact for the default per-token channel blocks; token-axis
+        blocks need whole blocks of tokens). Dense formats: a cast to the page dtype and back.
+        """
+        cache = self.caches[layer_idx]
+        if cache.format != "fp2":
+            if cache.dtype == torch.float8_e4m3fn:  # the cache clamps to e4m3's range
+                return k.float().clamp(-448, 448).to(cache.dtype).float(), v.float().clamp(
+                    -448, 448
+                ).to(cache.dtype).float()
+            return k.to(cache.dtype).float(), v.to(cache.dtype).float()
+        from zerodram.runtime.kv.quantize import fake_quantize
+
+        spec = cache.spec
+        if any(s.block_axis == "token" and k.shape[0] % s.block_size for s in (spec.k, spec.v)):
+            return None
+        params = cache.params if k.device == cache.device else self._params_on(layer_idx, k.device)
+        return (
+            fake_quantize(k.float(), spec.k, params[0], what="K", layer_idx=layer_idx),
+            fake_quantize(v.float(), spec.v, params[1], what="V", layer_idx=layer_idx),
+        )
+
+    def _params_on(self, layer_idx: int, device: torch.device) -> tuple:
+        """The layer's FP2 side parameters on `device` (the host, for telemetry), copied once."""
+        key = (layer_idx, str(device))
+        if key not in self._param_copies:
+            self._param_copies[key] = tuple(
+                dataclasses.replace(
+                    p,
+                    **{
+                        f.name: getattr(p, f.name).to(device)
+                        for f in dataclasses.fields(p)
+                        if isinstance(getattr(p, f.name), torch.Tensor)
+                    },
+                )
+                for p in self.caches[layer_idx].params
+            )
+        return self._param_copies[key]
 
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.caches[layer_idx].gather(self._slots[seq_id][layer_idx])  # [n, Hkv, Dh] fp32

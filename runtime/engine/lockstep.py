@@ -114,6 +114,8 @@ def run_lockstep(engine: Any, source: RequestSource) -> Iterator[TokenEvent]:
                     req = engine.validate(rid, prompt, params)
                 except (RequestError, ZerodramError, TypeError) as err:
                     early.append(TokenEvent(rid, None, "error", error=str(err)))
+                    if engine.on_error is not None:
+                        engine.on_error(f"request {rid} refused: {err}")
                     continue
                 dst = min(range(W), key=lambda r: (outstanding[r], r))
                 outstanding[dst] += 1

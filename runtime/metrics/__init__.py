@@ -1,4 +1,4 @@
-"""Metrics: every rank measures itself, rank 0 sees them all (rendered by `launch/dashboard.py`).
+"""Metrics: every rank measures itself, rank 0 sees them all (drawn by `launch/dashboard.py`).
 
     collector   MetricsCollector   what the engine records into (timings, tokens, KV, experts, ...)
     timer       StepTimer          per-phase step timings (CUDA events / perf_counter)

@@ -17,8 +17,10 @@ Shapes (legend): N rows of the written block, D head dim (always the last dimens
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +28,36 @@ import torch
 
 from zerodram.runtime.metrics.snapshot import KvQualityLayer
 
+log = logging.getLogger("zerodram.metrics")
+
+
+# (layer_idx, k [n, Hkv, Dh], v [n, Hkv, Dh]) -> (k_deq, v_deq) as the KV format reads them back
+Roundtrip = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+
 
 @dataclass(eq=False)  # identity: samples hold tensors, which have no truth value
 class _Sample:
     layer_idx: int
-    tensors: tuple[torch.Tensor, ...]  # k_fp, k_deq, v_fp, v_deq[, q] as [rows, D], on the host
+    # k_fp, k_deq, v_fp, v_deq[, q] as [rows, D]; or, with `roundtrip`, k, v, q as written
+    tensors: tuple[torch.Tensor, ...]
     ready: Any  # a torch.cuda.Event, or None when the copy was synchronous (CPU)
+    roundtrip: Roundtrip | None = None
+
+
+def _to_host(tensors: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Host copies of `tensors` and an event that says when they landed (None on CPU: copied)."""
+    if not tensors[0].is_cuda:
+        return tuple(t.detach().clone() for t in tensors), None
+    # One cat and one D2H copy where the shapes allow (kernel launches are the cost here, not
+    # bytes); the copy is enqueued on the current stream and the event says when it is safe to read.
+    if len({t.shape[1:] for t in tensors}) == 1:
+        packed = torch.cat(tensors).to("cpu", non_blocking=True)
+        host = tuple(packed.split([t.shape[0] for t in tensors]))
+    else:
+        host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class KvQualitySampler:
@@ -68,6 +94,7 @@ class KvQualitySampler:
         self._errors = [deque(maxlen=window) for _ in range(num_layers)]  # (k, v, score | None)
         self._num_samples = [0] * num_layers
         self._lock = threading.Lock()
+        self._roundtrip_failed = False
 
     def maybe_sample(
         self,
@@ -87,10 +114,30 @@ class KvQualitySampler:
             IndexError: `layer_idx` outside [0, num_layers).
             ValueError: K and its dequantized copy (or V and its copy) differ in shape.
         """
+        if not self.take_turn(layer_idx):
+            return False
+        self.record(layer_idx, k_fp, k_deq, v_fp, v_deq, q)
+        return True
+
+    def take_turn(self, layer_idx: int) -> bool:
+        """True when this write of `layer_idx` is to be sampled (then call `record`): lets a
+        caller that must compute the dequantized copy do so only for the writes kept."""
         self._countdown[layer_idx] -= 1
         if self._countdown[layer_idx] > 0:
             return False
         self._countdown[layer_idx] = self.period
+        return True
+
+    def record(
+        self,
+        layer_idx: int,
+        k_fp: torch.Tensor,
+        k_deq: torch.Tensor,
+        v_fp: torch.Tensor,
+        v_deq: torch.Tensor,
+        q: torch.Tensor | None = None,
+    ) -> None:
+        """Keep this sample unconditionally (see `maybe_sample` for arguments and errors)."""
         if k_fp.shape != k_deq.shape or v_fp.shape != v_deq.shape:
             raise ValueError(
                 f"layer {layer_idx}: K {tuple(k_fp.shape)} vs dequantized {tuple(k_deq.shape)}, "
@@ -99,22 +146,42 @@ class KvQualitySampler:
         rows = [self._rows(t, self.max_rows) for t in (k_fp, k_deq, v_fp, v_deq)]
         if q is not None and q.shape[-1] == k_fp.shape[-1]:
             rows.append(self._rows(q, self.max_query_rows))
-        ready = None
-        if k_fp.is_cuda:
-            # One cat and one D2H copy (kernel launches are the cost here, not bytes); the copy
-            # lands in pinned memory and the event says when it is safe to read.
-            if len({r.shape[-1] for r in rows}) == 1:
-                packed = torch.cat(rows).to("cpu", non_blocking=True)  # [4N + M, D]
-                host = tuple(packed.split([r.shape[0] for r in rows]))
-            else:  # K and V of different head dims
-                host = tuple(r.to("cpu", non_blocking=True) for r in rows)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host = tuple(r.clone() for r in rows)
+        host, ready = _to_host(rows)
         with self._lock:
             self._pending.append(_Sample(layer_idx, host, ready))
-        return True
+
+    def record_raw(
+        self,
+        layer_idx: int,
+        k_fp: torch.Tensor,
+        v_fp: torch.Tensor,
+        q: torch.Tensor,
+        roundtrip: Roundtrip,
+    ) -> None:
+        """Keep a few freshly written tokens whose stored values are computed later, off the step.
+
+        k_fp, v_fp [n, Hkv, Dh] and q [n, Hq, Dh] are copied to the host as they are (no sync);
+        when the sample is summarized (publisher thread), `roundtrip(layer_idx, k, v)` on those
+        host copies gives what the KV format reads them back as (or None: the sample is dropped).
+        So a format whose quantizer checks its input or searches scales never syncs the step.
+        """
+        host, ready = _to_host([k_fp.detach(), v_fp.detach(), q.detach()])
+        with self._lock:
+            self._pending.append(_Sample(layer_idx, host, ready, roundtrip))
+
+    def _round_trip(self, s: _Sample) -> tuple[torch.Tensor, ...] | None:
+        k, v, q = (t.float() for t in s.tensors)
+        try:
+            back = s.roundtrip(s.layer_idx, k, v)
+        except Exception:
+            if not self._roundtrip_failed:
+                log.exception("KV-quality round trip failed; such samples are dropped (logged once)")
+            self._roundtrip_failed = True
+            return None
+        if back is None:
+            return None
+        rows = [self._rows(t, self.max_rows) for t in (k, back[0], v, back[1])]
+        return (*rows, self._rows(q, self.max_query_rows))
 
     @staticmethod
     def _rows(t: torch.Tensor, max_rows: int) -> torch.Tensor:
@@ -132,7 +199,10 @@ class KvQualitySampler:
             for s in todo:
                 self._pending.remove(s)
         for s in todo:
-            self._errors[s.layer_idx].append(_errors_of(s.tensors))
+            tensors = s.tensors if s.roundtrip is None else self._round_trip(s)
+            if tensors is None:
+                continue
+            self._errors[s.layer_idx].append(_errors_of(tensors))
             self._num_samples[s.layer_idx] += 1
         out = []
         for layer_idx, errs in enumerate(self._errors):

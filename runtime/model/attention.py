@@ -39,6 +39,12 @@ class DecodeAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class KVProbe(Protocol):
+    """Sees each layer's K/V right after they were written (KV-quality telemetry; must be cheap)."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
 class PagedAttention:
     """Runs one layer's attention for a `ForwardBatch` against a `KVStore`.
 
@@ -52,6 +58,7 @@ class PagedAttention:
         self.kv = kv
         self.scale = scale
         self.decode = decode or self._decode_sdpa
+        self.probe: KVProbe | None = None  # the engine's metrics hook (see Engine.attach_observer)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
@@ -76,6 +83,8 @@ class PagedAttention:
             out[rows] = self._prefill_sdpa(q[rows], k_all, v_all, seg.start_pos)
             self.kv.write(layer_idx, seg.seq_id, seg.start_pos, k_new, v_new)
             row += seg.num_tokens
+        if self.probe is not None and q.shape[0]:
+            self.probe(layer_idx, q, k, v)
         return out
 
     def _prefill_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:

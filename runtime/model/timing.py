@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-PHASES = ("attention", "router", "dispatch", "experts", "combine", "ep", "lm_head", "sampling")
+PHASES = ("attention", "router", "dispatch", "experts", "combine", "lm_head", "sampling")
 
 
 class PhaseTimer(Protocol):

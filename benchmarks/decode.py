@@ -1,0 +1,427 @@
+"""`zerodram bench decode`: one MoE layer's decode step, FP2 KV + fused dispatch vs BF16 KV + host path.
+
+    zerodram bench decode [--json]          # GPU: seed-700b, B 1/8/64 x L 8k/32k/128k; CPU: small
+    zerodram bench decode --model mixtral-8x7b --batches 8,64 --contexts 131072
+
+Shape legend: B sequences (one new token each), L context tokens per sequence, D hidden, Hq / Hkv
+heads, Dh head dim, E experts, K top-k, F expert FFN, P page size.
+
+One decoder layer of a named configuration (random bf16 weights, all experts on this one rank)
+runs the decode step of B sequences whose KV already holds L tokens each, in four timed stages:
+
+    attention        RMSNorm, q/k/v projections, RoPE, attention over the KV, o projection
+    router+dispatch  RMSNorm, gate logits, top-k, rows to the experts' receive buffer
+    experts          grouped SwiGLU over the packed rows (+ the shared expert, if any)
+    combine          rows back to their tokens, weighted sum
+
+Two paths, each on its own KV and communicator, the same weights and inputs:
+
+    fp2-fused  KV as FP2 pages (2-bit codes, e4m3 scales per 64 channels, 32 bf16 tail tokens + 4
+               sinks) read by the fused decode + merge kernels (on CPU: their torch reference);
+               router and dispatch in one NVSHMEM kernel (`--fused-backend`, GPU with nvshmem4py;
+               otherwise the host path, and the output says so in `dispatch`)
+    bf16-host  KV as contiguous bf16 [B, Hkv, L, Dh] read by SDPA (no paging: a generous
+               baseline); router in torch, then the host-driven dispatch (counts exchange, host
+               sync, all_to_all_single)
+
+Not timed in either: the append of the new token's K/V (`zerodram bench attention` times it).
+Timing: on a GPU, CUDA events between the stages of one pass (no sync inside it), a 256 MB L2
+flush before each pass, warm-up, median per stage; on CPU, perf_counter (ops are synchronous).
+Physical floor, per stage and in total: bytes that must move over their bandwidth:
+    attention  q/k/v/o weights + the KV bytes of the format          / HBM bandwidth
+    experts    router, plus gate/up/down of the distinct experts routed to / HBM bandwidth
+    dispatch, combine  B*K rows of D bf16 each way / link bandwidth (one rank: every row is a
+               local copy, so the device copy bandwidth per direction)
+HBM bandwidth is the measured device copy rate (bytes read + written per second). tok/s is B over
+the layer step times the model's layer count: a projection from one layer to compare cases, not a
+served rate. One JSON line per (path, B, L), a table, and the per-stage breakdown at the largest
+context next to its floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+PATHS = ("fp2-fused", "bf16-host")
+STAGES = ("attention", "dispatch", "experts", "combine")
+GPU = {"model": "seed-700b", "batches": "1,8,64", "contexts": "8192,32768,131072"}
+# CPU: a small MoE layer the FP2 kernels' shape rules accept (head dim 64, <= 8 q heads per kv head)
+CPU = {"model": "small", "batches": "1,4", "contexts": "256,1024"}
+PAGE, NUM_SINKS, TAIL = 64, 4, 32  # FP2 layout: 4 sinks + up to 32 tail tokens in bf16 (HP = 36)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print only the JSON lines (one per case)")
+    p.add_argument("--model", default=None, help="named config (default: seed-700b on GPU, 'small' on CPU)")
+    p.add_argument("--batches", default=None, help="comma list of B (default GPU 1,8,64; CPU 1,4)")
+    p.add_argument("--contexts", default=None, help="comma list of L (default GPU 8k,32k,128k; CPU 256,1024)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma list of fp2-fused,bf16-host")
+    p.add_argument("--fused-backend", default="auto", help="EP backend of fp2-fused: auto | nvshmem | torch")
+    p.add_argument("--iters", type=int, default=None, help="timed passes per case (GPU 20, CPU 5)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed passes per case")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is visible")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerodram.runtime.context import RankContext
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    grid = GPU if gpu else CPU
+    model = args.model or grid["model"]
+    batches = [int(b) for b in (args.batches or grid["batches"]).split(",")]
+    contexts = [int(n) for n in (args.contexts or grid["contexts"]).split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    if bad := [p for p in paths if p not in PATHS]:
+        print(f"unknown path(s) {bad}; paths: {', '.join(PATHS)}", file=sys.stderr)
+        return 2
+    iters = args.iters or (20 if gpu else 5)
+    ctx = RankContext.single_process("cuda" if gpu else "cpu")
+    try:
+        bench = LayerBench(ctx, model, max(batches), args.fused_backend)
+        rows = []
+        cases = [(path, B, L) for B in batches for L in contexts for path in paths]
+        from rich.console import Console
+
+        from zerodram.launch.progress import progress_bar
+
+        # progress on stderr: stdout carries only the table and the JSON lines
+        with progress_bar(len(cases), "bench decode", console=Console(stderr=True)) as bar:
+            for path, B, L in cases:
+                rows.append(bench.case(path, B, L, iters, args.warmup))
+                if args.json:  # as cases finish: a run cut short keeps them
+                    print(json.dumps(rows[-1]), flush=True)
+                bar.advance(note=f"{path} B={B} L={L}")
+        if not args.json:
+            _print_tables(rows, bench)
+            for row in rows:
+                print(json.dumps(row))
+        bench.close()
+    finally:
+        ctx.close()
+    return 0
+
+
+def layer_config(name: str) -> Any:
+    """The named config cut to its first MoE layer (plus any dense layers before it)."""
+    from zerodram.runtime.model.named import named_config
+
+    if name == "small":
+        cfg = dataclasses.replace(
+            named_config("tiny-moe"), hidden_size=256, head_dim=64, num_heads=4, num_kv_heads=2,
+            intermediate_size=512, moe_intermediate_size=512, max_position_embeddings=1 << 20,
+        )  # fmt: skip
+    else:
+        cfg = named_config(name)
+    first_moe = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    return cfg, first_moe
+
+
+class LayerBench:
+    """One MoE layer's weights, its two communicators and the timing of one case at a time."""
+
+    def __init__(self, ctx: Any, model: str, max_batch: int, fused_backend: str) -> None:
+        import torch
+
+        from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
+        from zerodram.runtime.loading.random_init import random_weights
+        from zerodram.runtime.model.rope import Rope
+        from zerodram.runtime.moe.experts import ExpertShard
+        from zerodram.runtime.moe.router import RouterConfig
+
+        self.ctx, self.dev, self.model = ctx, ctx.device, model
+        self.full_cfg, self.idx = layer_config(model)
+        cfg = self.cfg = dataclasses.replace(self.full_cfg, num_layers=self.idx + 1)
+        w = random_weights(cfg, None, 0, dtype=torch.bfloat16, device=self.dev)
+        p = f"layers.{self.idx}."
+        self.w = {k[len(p) :]: v for k, v in w.items() if k.startswith(p)}
+        del w
+        self.shard = ExpertShard(
+            tuple(range(cfg.num_experts)), self.w["experts.gate"], self.w["experts.up"], self.w["experts.down"]
+        )
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.dev)
+        E, K, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+        layout = EpLayout(ExpertPlacement.contiguous(0, 1, E), D, K, max_batch, "bf16")
+        router = RouterConfig(E, K, renormalize=cfg.norm_topk_prob)
+        self.comms = {"bf16-host": create_communicator(ctx, layout, router, "torch")}
+        backend = fused_backend
+        if backend == "auto":
+            from zerodram.runtime.comm import _nvshmem_importable
+
+            backend = "nvshmem" if self.dev.type == "cuda" and _nvshmem_importable() else "torch"
+            if backend == "torch":
+                print(
+                    "bench decode: no NVSHMEM here (needs a GPU and nvshmem4py): fp2-fused dispatches "
+                    "through the host path; its 'dispatch' field says so",
+                    file=sys.stderr,
+                )
+        self.comms["fp2-fused"] = create_communicator(ctx, layout, router, backend)
+        self.backends = {"bf16-host": "torch", "fp2-fused": backend}
+        self.copy_bw = _copy_bandwidth(self.dev)  # bytes read + written per second
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.dev) if self.dev.type == "cuda" else None
+        self.device_name = torch.cuda.get_device_name(self.dev) if self.dev.type == "cuda" else "cpu"
+
+    def close(self) -> None:
+        """Close both communicators (symmetric memory before the context goes)."""
+        for comm in self.comms.values():
+            comm.close()
+
+    # ---- one case ----
+
+    def case(self, path: str, B: int, L: int, iters: int, warmup: int) -> dict:
+        """Time `path` at batch B, context L; returns the JSON row."""
+        import torch
+
+        gen = torch.Generator(device=self.dev).manual_seed(1000 * B + L)
+        cfg = self.cfg
+        x = torch.randn(B, cfg.hidden_size, device=self.dev, generator=gen).to(torch.bfloat16)  # [B, D]
+        kv = self._fp2_kv(B, L, gen) if path == "fp2-fused" else self._bf16_kv(B, L, gen)
+        comm = self.comms[path]
+        positions = torch.full((B,), L, device=self.dev, dtype=torch.int64)
+        samples: dict[str, list[float]] = {s: [] for s in (*STAGES, "total")}
+        topk_idx = None
+        for i in range(warmup + iters):
+            if self.flush is not None:
+                self.flush.zero_()
+            marks = _Marks(self.dev)
+            h = self._attention(path, x, positions, kv)
+            marks.mark()
+            h2, out = self._dispatch(path, h, comm)
+            marks.mark()
+            y, y_shared = self._experts(h2, out)
+            marks.mark()
+            y = comm.combine(y, out)  # [B, D]
+            marks.mark()
+            _ = h + y if y_shared is None else h + y + y_shared
+            ms = marks.elapsed_ms()
+            if i >= warmup:
+                for s, v in zip(STAGES, ms, strict=True):
+                    samples[s].append(v)
+                samples["total"].append(sum(ms))
+            topk_idx = out.topk_idx
+        comm.check()
+        med = {s: statistics.median(v) for s, v in samples.items()}
+        floors = self._floors(path, B, L, topk_idx)
+        del kv
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return {
+            "bench": "decode",
+            "model": self.model,
+            "layer": self.idx,
+            "path": path,
+            "dispatch": self.backends[path],
+            "B": B,
+            "L": L,
+            **{f"{s}_ms": round(med[s], 4) for s in (*STAGES, "total")},
+            **{f"{s}_floor_ms": round(floors[s], 4) for s in (*STAGES, "total")},
+            "floor_ratio": round(med["total"] / floors["total"], 3),
+            "tok_s_projected": round(B / (med["total"] * 1e-3 * self.full_cfg.num_layers), 2),
+            "kv_bytes": floors["kv_bytes"],
+            "weight_bytes": floors["weight_bytes"],
+            "experts_touched": floors["experts_touched"],
+            "hbm_bytes_per_s": round(self.copy_bw),
+            "device": self.device_name,
+            "iters": iters,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+
+    def _fp2_kv(self, B: int, L: int, gen: Any) -> tuple:
+        """FP2 pages for B sequences of L tokens (L - 36 FP2 tokens + 36 bf16), its kernel, rotations."""
+        import torch
+
+        from zerodram.runtime.attention import Fp2DecodeAttention, random_decode_batch, random_fp2_layer
+
+        cfg = self.cfg
+        hp = min(L, NUM_SINKS + TAIL)
+        n_fp2 = L - hp
+        pages = max(1, B * math.ceil(n_fp2 / PAGE))
+        layer = random_fp2_layer(pages, cfg.num_kv_heads, PAGE, cfg.head_dim, device=self.dev, generator=gen)
+        batch = random_decode_batch(
+            [n_fp2] * B, [hp] * B, pages, cfg.num_kv_heads, PAGE, cfg.head_dim, hp_max=NUM_SINKS + TAIL,
+            device=self.dev, generator=gen,
+        )  # fmt: skip
+        attn = Fp2DecodeAttention(
+            num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=PAGE,
+            max_batch=B, max_fp2_tokens=max(n_fp2, 1), device=self.dev,
+        )  # fmt: skip
+        # The cache's stored space: a random rotation per side and unit anchors (values don't matter).
+        rot = torch.linalg.qr(torch.randn(2, cfg.head_dim, cfg.head_dim, device=self.dev, generator=gen))[0]
+        anchor = torch.ones(cfg.num_kv_heads, cfg.head_dim, device=self.dev)
+        return attn, layer, batch, rot, anchor, n_fp2
+
+    def _bf16_kv(self, B: int, L: int, gen: Any) -> tuple:
+        import torch
+
+        cfg = self.cfg
+        shape = (B, cfg.num_kv_heads, L, cfg.head_dim)  # [B, Hkv, L, Dh]
+        k = torch.randn(shape, device=self.dev, generator=gen, dtype=torch.bfloat16)
+        return k, torch.randn(shape, device=self.dev, generator=gen, dtype=torch.bfloat16)
+
+    def _attention(self, path: str, x: Any, positions: Any, kv: tuple) -> Any:
+        import torch.nn.functional as F
+
+        from zerodram.runtime.attention import finish_output, prepare_query
+        from zerodram.runtime.model.transformer import rms_norm
+
+        cfg, w = self.cfg, self.w
+        B, Hq, Hkv, Dh = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q = F.linear(h, w["q"], w.get("q_bias")).view(B, Hq, Dh)  # [B, Hq, Dh]
+        k = F.linear(h, w["k"], w.get("k_bias")).view(B, Hkv, Dh)  # [B, Hkv, Dh]
+        _v = F.linear(h, w["v"], w.get("v_bias"))  # the new token's V (its append is not timed)
+        if "q_norm" in w:
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q, k = self.rope.apply(q, k, positions)
+        if path == "fp2-fused":
+            attn, layer, batch, rot, anchor, n_fp2 = kv
+            G = Hq // Hkv
+            o = attn(prepare_query(q, rot[0], anchor, G), layer, batch, max_len=max(n_fp2, 1))  # [B, Hq, Dh]
+            o = finish_output(o, rot[1], anchor, G)
+        else:
+            k_cache, v_cache = kv
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :], k_cache, v_cache, enable_gqa=True
+            )[:, :, 0, :]  # [B, Hq, Dh]
+        return x + F.linear(o.reshape(B, Hq * Dh).to(x.dtype), w["o"])
+
+    def _dispatch(self, path: str, h: Any, comm: Any) -> tuple:
+        from zerodram.runtime.model.transformer import rms_norm
+
+        h2 = rms_norm(h, self.w["ffn_norm"], self.cfg.rms_norm_eps)
+        # fp2-fused on NVSHMEM: the gate projection, top-k and the sends are one kernel; the
+        # torch backend computes the same router in torch first (route_on_host), then dispatches.
+        return h2, comm.dispatch(h2, gate_weight=self.w["router"])
+
+    def _experts(self, h2: Any, out: Any) -> tuple[Any, Any]:
+        """(routed outputs [N, D] in packed order, the shared expert's [B, D] or None)."""
+        from zerodram.runtime.model.moe import SharedExpert
+        from zerodram.runtime.moe.experts import grouped_swiglu
+
+        y = grouped_swiglu(out.recv_x, out.recv_expert_offsets, self.shard)  # [N, D]
+        w = self.w
+        if "shared.gate" not in w:
+            return y, None
+        shared = SharedExpert(w["shared.gate"], w["shared.up"], w["shared.down"], w.get("shared.sigmoid_gate"))
+        return y, shared(h2)
+
+    def _floors(self, path: str, B: int, L: int, topk_idx: Any) -> dict:
+        cfg = self.cfg
+        D, Hq, Hkv, Dh, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts_per_tok
+        attn_w = 2 * D * (Hq + 2 * Hkv) * Dh + 2 * Hq * Dh * D  # bf16 q, k, v, o
+        if path == "fp2-fused":
+            hp = min(L, NUM_SINKS + TAIL)
+            # per token and kv head: D/4 code bytes + D/64 e4m3 scale bytes, for K and V; bf16 tail
+            kv_bytes = B * Hkv * ((L - hp) * 2 * (Dh // 4 + Dh // 64) + hp * Dh * 2 * 2)
+        else:
+            kv_bytes = B * Hkv * L * Dh * 2 * 2
+        touched = len(set(topk_idx.flatten().tolist()))
+        F_ = cfg.moe_intermediate_size
+        expert_w = 2 * cfg.num_experts * D + touched * 3 * F_ * D * 2  # router + gate/up/down
+        expert_w += 3 * cfg.shared_expert_intermediate_size * D * 2
+        row_bytes = B * K * D * 2
+        link = self.copy_bw / 2  # one rank: a local copy, per direction
+        f = {
+            "attention": (attn_w + kv_bytes) / self.copy_bw * 1e3,
+            "dispatch": row_bytes / link * 1e3,
+            "experts": expert_w / self.copy_bw * 1e3,
+            "combine": row_bytes / link * 1e3,
+        }
+        f["total"] = sum(f.values())
+        return {**f, "kv_bytes": kv_bytes, "weight_bytes": attn_w + expert_w, "experts_touched": touched}
+
+
+class _Marks:
+    """Stage boundaries of one pass: CUDA events (read after the pass) or perf_counter."""
+
+    def __init__(self, dev: Any) -> None:
+        import torch
+
+        self.cuda = dev.type == "cuda"
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True)]
+            self.events[0].record()
+        else:
+            self.times = [time.perf_counter()]
+
+    def mark(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def elapsed_ms(self) -> list[float]:
+        if self.cuda:
+            self.events[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:], strict=False)]
+        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:], strict=False)]
+
+
+def _copy_bandwidth(dev: Any) -> float:
+    """Measured bytes/s of a device copy, read + written (the floors' HBM / memory bandwidth)."""
+    import torch
+
+    n = (1 << 30) if dev.type == "cuda" else (64 << 20)
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        m = _Marks(dev)
+        b.copy_(a)
+        m.mark()
+        best = min(best, m.elapsed_ms()[0])
+    return 2 * n / (best * 1e-3)
+
+
+def _print_tables(rows: list[dict], bench: LayerBench) -> None:
+    cfg = bench.cfg
+    print(
+        f"\n# {bench.device_name}: one MoE layer (index {bench.idx}) of {bench.model} "
+        f"(D {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
+        f"{cfg.num_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}); "
+        f"memory bandwidth {bench.copy_bw / 1e12:.2f} TB/s (copy, r+w); dispatch: "
+        + ", ".join(f"{p} {b}" for p, b in bench.backends.items())
+    )
+    by = {(r["path"], r["B"], r["L"]): r for r in rows}
+    print(f"\n{'B':>4} {'L':>7} | {'path':9} {'step ms':>9} {'floor ms':>9} {'x floor':>7} {'tok/s*':>9}"
+          f" | {'speedup':>7} {'floor ratio':>11}")  # fmt: skip
+    for r in rows:
+        other = by.get(("bf16-host", r["B"], r["L"]))
+        speed = ratio = ""
+        if r["path"] == "fp2-fused" and other is not None:
+            speed = f"{other['total_ms'] / r['total_ms']:.2f}x"
+            ratio = f"{other['total_floor_ms'] / r['total_floor_ms']:.2f}x"
+        print(
+            f"{r['B']:>4} {r['L']:>7} | {r['path']:9} {r['total_ms']:>9.3f} {r['total_floor_ms']:>9.3f} "
+            f"{r['floor_ratio']:>6.2f}x {r['tok_s_projected']:>9.1f} | {speed:>7} {ratio:>11}"
+        )
+    print("tok/s* = B / (layer step x its model's layers): a projection from one layer")
+    L = max(r["L"] for r in rows)
+    print(f"\nbreakdown at L = {L}: measured ms (floor ms)")
+    print(f"{'path':9} {'B':>4} | " + " | ".join(f"{s:>17}" for s in (*STAGES, "total")))
+    for r in (r for r in rows if r["L"] == L):
+        cells = " | ".join(f"{r[s + '_ms']:>8.3f} ({r[s + '_floor_ms']:>6.3f})" for s in (*STAGES, "total"))
+        print(f"{r['path']:9} {r['B']:>4} | {cells}")
+    print("floors: attention = (q/k/v/o weights + KV) / bandwidth; experts = (router + routed experts) / "
+          "bandwidth; dispatch, combine = B*K bf16 rows / (copy bandwidth / 2), one rank")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What a serving job shows: metrics on every rank, the dashboard on rank 0.
+
+    with observe(ctx, engine, args) as dash:     # args from add_dashboard_args
+        ...serve (collective)...
+
+Every rank records its engine's metrics and publishes snapshots (runtime/metrics); rank 0 runs
+the dashboard thread (live on a terminal, plain lines otherwise, JSON lines to --metrics-file).
+On a clean exit every rank publishes its final numbers and waits for the others, so rank 0's last
+frame shows the whole run with every rank still "ok"; after an error nobody waits
+(the job is failing anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+
+from zerodram.launch.dashboard import Dashboard, dashboard_mode
+from zerodram.runtime.engine.metrics_bridge import start_metrics
+from zerodram.runtime.metrics import StoreReader
+
+SVG_SIZE = (120, 40)  # cells: what docs/dashboard.svg is drawn at
+
+
+@contextmanager
+def observe(
+    ctx: Any, engine: Any, args: argparse.Namespace, *, console: Console | None = None
+) -> Iterator[Dashboard | None]:
+    """Metrics for `engine` on this rank, and on rank 0 the dashboard (yielded; None elsewhere).
+
+    Args:
+        args: `no_dashboard`, `metrics_file`, `svg` (see `add_dashboard_args`).
+        console: where rank 0 draws (default stdout; serve passes stderr when stdout carries results).
+    """
+    _, agent = start_metrics(engine, ctx)
+    dash = None
+    if ctx.rank == 0:
+        console = console or Console()
+        dash = Dashboard(
+            ctx.topology,
+            StoreReader(ctx.world_size),
+            mode=dashboard_mode(args.no_dashboard, console),
+            metrics_file=args.metrics_file,
+            console=console,
+            expert_to_rank=engine.expert_to_rank,
+        ).start()
+    try:
+        yield dash
+    except BaseException:
+        if dash is not None:
+            dash.stop()
+        agent.stop()
+        raise
+    agent.publish_now()
+    ctx.barrier("serving done, final metrics published")
+    if dash is not None:
+        dash.stop()
+        if args.svg is not None:
+            args.svg.parent.mkdir(parents=True, exist_ok=True)
+            dash.export(*SVG_SIZE, frame="busiest").save_svg(str(args.svg), title="zerodram demo")
+    ctx.barrier("last frame drawn")  # before any rank's agent publishes "stopped"
+    agent.stop()
