@@ -23,17 +23,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 for step in $steps; do
   echo "=== $step $(date -u +%T)"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
-    attention) timeout 240 python3 benchmarks/attention.py --json ${ATTN_ARGS:-} 2>&1 | tee "$out/attention.log" | grep -v '^{' ;;
+    tests) timeout ${T_TESTS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+    attention) timeout ${T_ATTN:-240} python3 benchmarks/attention.py --json ${ATTN_ARGS:-} 2>&1 | tee "$out/attention.log" | grep -v '^{' ;;
     profile) timeout 100 ncu --target-processes all -k regex:attn_fp2_decode -c 1 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
                python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
                >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue" "$out/ncu-attention.txt" | head -30 ;;
     dispatch) timeout 300 python3 benchmarks/dispatch.py --iters 10 --json 2>&1 | tee "$out/dispatch.log" | grep -v '^{' | tail -30 ;;
-    dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout 240 torchrun --nproc-per-node 4 --master-port 29511 \
+    dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-240} torchrun --nproc-per-node 4 --master-port 29511 \
                benchmarks/dispatch.py --paths nvshmem --tokens 1,128 --iters 5 --warmup 2 --json 2>&1 \
                | tee "$out/dispatch-4pe.log" | grep -v '^{' | tail -20 ;;
-    decode) timeout 300 python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
+    decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done
