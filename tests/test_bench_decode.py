@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_bench_decode_runs_on_cpu() -> None:
     argv = ["bench", "decode", "--batches", "1,3", "--contexts", "100", "--iters", "2", "--warmup", "1"]
     env = {"ZERODRAM_FORCE_CPU": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
