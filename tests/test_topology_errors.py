@@ -43,6 +43,36 @@ experts: {num_experts: 3}
 EXPERTS = "experts: {num_experts: 4}\n"
 EXPLICIT = "experts:\n  num_experts: 4\n  placement: explicit\n"
 PEERS = "ring:\n  order: explicit\n  peers: [[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1], %s]\n"
+# GPU_NODE % (intra_node on line 4, extra fabric lines, the GPU list on line 7 + extra lines);
+# GPU_2_NODES % (inter_node on line 5, node a's GPUs on line 8, node b's on line 10).
+GPU_NODE = """\
+cluster: t
+device: cuda
+fabric:
+  intra_node: %s
+%snodes:
+  - name: a
+    gpus: %s
+experts: {num_experts: 2}
+"""
+NVSWITCH, TWO_GPUS, TWO_DOMAINS = (
+    "{kind: nvswitch, gbps: 3600}",
+    "[{idx: 0}, {idx: 1}]",
+    "[{idx: 0, nvlink_domain: x}, {idx: 1, nvlink_domain: y}]",
+)
+GPU_2_NODES = """\
+cluster: t
+device: cuda
+fabric:
+  intra_node: {kind: nvswitch, gbps: 3600}
+  inter_node: %s
+nodes:
+  - name: a
+    gpus: [%s]
+  - name: b
+    gpus: [%s]
+experts: {num_experts: 2}
+"""
 
 # (id, text, "line:column", field or None, fragment of the message)
 # fmt: off
@@ -71,6 +101,8 @@ CASES = [
      "expected a mapping for 'experts', got an integer '4'"),
     ("negative-bandwidth", CPU.replace("gbps: 80", "gbps: -1") + EXPERTS, "4:33", "fabric.intra_node.gbps",
      "expected a positive number, got -1"),
+    ("port-too-high", CPU + EXPERTS + "rendezvous: {master_port: 70000}\n", "9:27", "rendezvous.master_port",
+     "expected a port <= 65535, got 70000"),
     ("bad-choice", CPU + EXPERTS + "kv: {format: fp3}\n", "9:14", "kv.format",
      "expected one of fp2, bf16, fp8, got 'fp3'; did you mean"),
     # -- unknown and misspelled keys --------------------------------------------------------
@@ -79,6 +111,15 @@ CASES = [
      "unknown key 'num_expert'; did you mean 'num_experts'?"),
     ("misspelled-nested-key", CPU.replace("cpu_ranks", "cpu_rank") + EXPERTS, "7:5", "nodes[0].cpu_rank",
      "unknown key 'cpu_rank'; did you mean 'cpu_ranks'?"),
+    # -- keys only read with another setting ------------------------------------------------
+    ("nvlinks-with-pcie", GPU_NODE % ("{kind: pcie, gbps: 256, nvlinks: 4}", "", TWO_GPUS), "4:39",
+     "fabric.intra_node.nvlinks", "'nvlinks' needs an NVLink kind, not 'pcie'"),
+    ("pcie-gbps-with-nvswitch", GPU_NODE % ("{kind: nvswitch, gbps: 3600, pcie_gbps: 256}", "", TWO_GPUS), "4:44",
+     "fabric.intra_node.pcie_gbps", "'pcie_gbps' is only read with kind nvlink_mesh"),
+    ("pci-class-with-nvswitch", GPU_NODE % ("{kind: nvswitch, gbps: 3600, pci_class: PXB}", "", TWO_GPUS), "4:44",
+     "fabric.intra_node.pci_class", "'pci_class' is only read with kind pcie"),
+    ("ranks-per-gpu-on-cpu", CPU + "ranks_per_gpu: 2\n" + EXPERTS, "8:1", "ranks_per_gpu",
+     "device cpu has no GPUs; use the nodes' 'cpu_ranks'"),
     # -- nodes and GPUs ---------------------------------------------------------------------
     ("duplicate-node-name", CPU_2_NODES + "  - name: a\n    cpu_ranks: 4\n" + EXPERTS, "9:11", "nodes[1].name",
      "duplicate node name 'a' (also nodes[0])"),
@@ -87,6 +128,28 @@ CASES = [
      "node 'b' has 2 ranks but node 'a' has 4"),
     ("two-nodes-no-inter-node", CPU + "  - name: b\n    cpu_ranks: 4\n" + EXPERTS, "4:3", "fabric",
      "2 nodes need 'fabric.inter_node'"),
+    ("no-nodes", CPU.split("  - name")[0].replace("nodes:\n", "nodes: []\n") + EXPERTS, "5:8", "nodes",
+     "expected a non-empty list"),
+    ("gpus-and-cpu-ranks", CPU + "    gpus: [{idx: 0}]\n" + EXPERTS, "6:5", "nodes[0]",
+     "a node gives exactly one of 'gpus' (a list of GPUs) or 'cpu_ranks' (a count)"),
+    ("cuda-device-with-cpu-ranks", CPU.replace("device: cpu", "device: cuda").replace("shm", "nvswitch") + EXPERTS,
+     "7:16", "nodes[0].cpu_ranks", "device cuda: list the node's 'gpus', not 'cpu_ranks'"),
+    ("shm-with-cuda", GPU_NODE % ("{kind: shm, gbps: 80}", "", TWO_GPUS), "4:22", "fabric.intra_node.kind",
+     "device cuda needs intra-node kind nvswitch, nvlink_mesh or pcie, got 'shm'"),
+    ("nvlink-domain-with-pcie", GPU_NODE % ("{kind: pcie, gbps: 256}", "", "[{idx: 0, nvlink_domain: x}]"), "7:36",
+     "nodes[0].gpus[0].nvlink_domain", "intra-node kind 'pcie' has no NVLink; drop 'nvlink_domain'"),
+    ("nvswitch-two-domains", GPU_NODE % (NVSWITCH, "", TWO_DOMAINS), "7:11", "nodes[0].gpus",
+     "an NVSwitch crossbar joins every GPU of a node, but node 'a' lists NVLink domains x, y"),
+    ("mesh-without-pcie-gbps", GPU_NODE % ("{kind: nvlink_mesh, gbps: 3600}", "", TWO_DOMAINS), "4:15",
+     "fabric.intra_node", "node 'a' has GPUs in different NVLink domains; give 'pcie_gbps'"),
+    ("domain-spanning-nodes", GPU_2_NODES % ("{kind: infiniband, gbps: 400}", "{idx: 0, nvlink_domain: x}",
+     "{idx: 0, nvlink_domain: x}"), "10:36", "nodes[1].gpus[0].nvlink_domain",
+     "NVLink domain 'x' spans nodes 0 and 1; multi-node NVLink domains are not supported"),
+    ("rank-without-nic", GPU_2_NODES % ("{kind: infiniband}", "{idx: 0}", "{idx: 0, nic: {name: mlx5_0, gbps: 400}}"),
+     "5:15", "fabric.inter_node", "rank 0 (node 'a') has no NIC; give its GPU a 'nic' or set 'fabric.inter_node.gbps'"),
+    ("rail-outside-rails", GPU_NODE % (NVSWITCH, "  inter_node: {kind: infiniband, rails: 2}\n",
+     "[{idx: 0, nic: {name: mlx5_0, gbps: 400, rail: 2}}]"), "8:58", "nodes[0].gpus[0].nic.rail",
+     "rail 2 outside the fabric's 2 rails (0..1)"),
     ("cpu-device-with-gpus", CPU.replace("cpu_ranks: 4", "gpus: [{idx: 0}]") + EXPERTS, "6:5", "nodes[0]",
      "device cpu: give the node 'cpu_ranks', not 'gpus'"),
     # -- expert placement -------------------------------------------------------------------
@@ -96,6 +159,14 @@ CASES = [
      "experts.replicas[1][0]", "rank 9 does not exist (world size 4: ranks 0..3)"),
     ("map-names-missing-expert", CPU + EXPLICIT + "  map: {0: [0], 1: [1], 2: [2], 3: [3, 4]}\n", "11:40",
      "experts.map[3][1]", "expert 4 does not exist (num_experts 4: experts 0..3)"),
+    ("map-key-not-a-rank", CPU + EXPLICIT + "  map: {a: [0]}\n", "11:9", "experts.map",
+     "expected a rank (an integer), got a string 'a'"),
+    ("map-rank-twice", CPU + EXPLICIT + "  map: {0: [0, 1], 0: [2, 3]}\n", "11:20", "experts.map[0]",
+     "duplicate rank 0 (first given on line 11)"),
+    ("replica-on-primary", CPU + "experts:\n  num_experts: 4\n  replicas: {1: [1]}\n", "10:18",
+     "experts.replicas[1][0]", "rank 1 is already expert 1's primary owner"),
+    ("replica-twice", CPU + "experts:\n  num_experts: 4\n  replicas: {1: [2, 2]}\n", "10:21",
+     "experts.replicas[1][1]", "rank 2 holds a replica of expert 1 twice"),
     ("expert-unplaced", CPU + EXPLICIT + "  map: {0: [0], 1: [1], 2: [2]}\n", "11:8", "experts.map",
      "1 of 4 experts are not placed on any rank: 3"),
     ("expert-placed-twice", CPU + EXPLICIT + "  map: {0: [0, 1], 1: [1], 2: [2], 3: [3]}\n", "11:24",
@@ -163,6 +234,13 @@ def test_missing_file_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topo", "check", "no/such/topology.yaml"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"no topology file 'no/such/topology.yaml'.*\(packaged: .*local-cpu-4", err), err
+
+
+def test_unreadable_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"cluster: caf\xe9\n")
+    assert main(["topo", "check", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"zerodram: error: {path}: cannot read the file: ")
 
 
 def test_check_reports_every_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
