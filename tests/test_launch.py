@@ -73,6 +73,14 @@ def test_ranks_per_node_mismatch_names_both_numbers() -> None:
         check_world(topo, _env(0, 16, local_world=4))
 
 
+def test_rank_placed_elsewhere_names_both_places() -> None:
+    topo = load_topology(resolve_topology_path("hgx-h100-2x8"))
+    with pytest.raises(
+        WorldMismatchError, match=r"puts rank 9 on node 1 as local rank 1, torchrun started it on node 0"
+    ):
+        check_world(topo, _env(9, 16, local_world=8, node=0))
+
+
 def test_not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

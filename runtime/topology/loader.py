@@ -263,9 +263,15 @@ def _experts(r: Reader, node: Node, world: int) -> ExpertLayout:
             e: tuple(r.int_list(v, join(rf, e), what="a rank"))
             for e, v in r.int_keyed(sec["replicas"].value, rf, "expert index")
         }
-    allow_uneven = (
-        r.bool_(sec["allow_uneven"].value, join(f, "allow_uneven")) if "allow_uneven" in sec else False
-    )
+    allow_uneven = False
+    if "allow_uneven" in sec:
+        if placement == "explicit":
+            raise r.error(
+                sec["allow_uneven"].key,
+                join(f, "allow_uneven"),
+                "'allow_uneven' is only read with placement contiguous or round_robin",
+            )
+        allow_uneven = r.bool_(sec["allow_uneven"].value, join(f, "allow_uneven"))
     return build_layout(
         num_experts, world, placement, allow_uneven=allow_uneven, explicit_map=explicit_map, replicas=replicas
     )

@@ -30,7 +30,8 @@ DEFAULT_MASTER_PORT = 29500
 
 @dataclass(frozen=True)
 class NicSpec:
-    """A network interface a GPU sends through (NCCL topology XML: ``<nic name= speed=>``)."""
+    """A network interface a GPU sends through (NCCL topology XML: ``<nic><net name= speed=>``,
+    where speed is in Mb/s; `gbps` here is Gb/s)."""
 
     name: str
     gbps: float
