@@ -12,20 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
+from test_topology import CPU_HEAD
 
 from zerodram.launch.cli import main
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.topology import load_topology
 
-CPU = """\
-cluster: t
-device: cpu
-fabric:
-  intra_node: {kind: shm, gbps: 80}
-nodes:
-  - name: a
-    cpu_ranks: 4
-"""
+CPU = CPU_HEAD  # one CPU node of 4 ranks: the smallest valid topology
 CPU_2_NODES = CPU.replace("  intra_node:", "  inter_node: {kind: roce, gbps: 100}\n  intra_node:")
 GPU_3 = """\
 cluster: t
