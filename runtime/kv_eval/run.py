@@ -39,6 +39,7 @@ class EvalResult:
     rel_delta_ppl: float
     attn_rel_err: float
     num_windows: int
+    first_window: int
     num_scored: int
     needle_ctx: int
     needle_trials: int
@@ -87,21 +88,37 @@ class Evaluator:
         return self._ref[key]
 
     def run(
-        self, kv: str, *, ctx: int, num_windows: int = 4, needle_ctx: int | None = None, needle_trials: int = 3
+        self,
+        kv: str,
+        *,
+        ctx: int,
+        num_windows: int = 4,
+        first_window: int = 0,
+        needle_ctx: int | None = None,
+        needle_trials: int = 3,
     ) -> EvalResult:
         """Evaluate `kv` at context `ctx`; needle at `needle_ctx` (default: the model's limit, 0: skip).
+
+        Windows `first_window .. first_window + num_windows - 1` of `ctx` tokens are scored. The
+        protocol of record is `first_window=0`; a later start gives a development split on which
+        configurations can be chosen without looking at the reported windows.
 
         Raises:
             ConfigError: bad spec, context beyond the model's limit, or text too short.
         """
         t0 = time.time()
         lm = self.lm
+        if first_window < 0 or num_windows < 1:
+            raise ConfigError(f"need first_window >= 0 and num_windows >= 1, got {first_window}, {num_windows}")
         if ctx > lm.max_ctx:
             raise ConfigError(f"context {ctx} exceeds the model's limit of {lm.max_ctx} positions")
         codec = self.codec(kv)
-        wins = windows(self.ids[: self.ids.numel() - CALIB_TOKENS], ctx, num_windows)
+        stream = self.ids[: self.ids.numel() - CALIB_TOKENS]  # disjoint from the calibration window
+        wins = windows(stream, ctx, first_window + num_windows)[first_window:]
         ref_session = CodecSession(lm.model, None)
-        ref_nll = self._reference(("ppl", ctx, num_windows), lambda: perplexity(ref_session, wins).nll)
+        ref_nll = self._reference(
+            ("ppl", ctx, first_window, num_windows), lambda: perplexity(ref_session, wins).nll
+        )
         session = CodecSession(lm.model, codec)
         res = perplexity(session, wins)
         ppl_ref = float(torch.tensor(ref_nll / res.num_scored).exp())
@@ -125,6 +142,7 @@ class Evaluator:
             rel_delta_ppl=round(res.ppl / ppl_ref - 1, 5),
             attn_rel_err=round(session.stats.rel_error(), 5),
             num_windows=num_windows,
+            first_window=first_window,
             num_scored=res.num_scored,
             needle_ctx=n_ctx if rate is not None else 0,
             needle_trials=needle_trials if rate is not None else 0,
