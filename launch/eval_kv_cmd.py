@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ev = Evaluator(args.model, args.text)
+    ev = Evaluator(args.model, args.text, calib_tokens=args.calib_tokens)
     for kv in args.kv:
         res = ev.run(
             kv,
@@ -93,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="passkey prompt length (default: the model's limit; 0 skips)",
     )
     p.add_argument("--needle-trials", type=int, default=3, help="passkey prompts (default 3)")
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=2048,
+        help="calibration window taken from the end of the text (default 2048; FP2 anchors / levels)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="one JSON object per --kv on stdout")
     p.set_defaults(func=_run)

@@ -140,11 +140,14 @@ class Fp2Codec(SequenceCodec):
             )
 
     def _side(self, x, side, params, what, layer_idx):
+        # staged: the stored-space values are rounded to bf16 before quantization, as in the paged
+        # cache's tail, so that the harness reads back exactly what Fp2KVCache would hold.
         if side.outlier_frac == 0:
-            return fake_quantize(x, side, params, what=what, layer_idx=layer_idx)
+            return fake_quantize(x, side, params, what=what, layer_idx=layer_idx, staged=True)
         # Outliers are chosen per flushed tail, as the cache does.
         chunks = [
-            fake_quantize(c, side, params, what=what, layer_idx=layer_idx) for c in x.split(self.rule.flush)
+            fake_quantize(c, side, params, what=what, layer_idx=layer_idx, staged=True)
+            for c in x.split(self.rule.flush)
         ]
         return torch.cat(chunks)
 

@@ -81,6 +81,7 @@ class Fp2KVCache(KVCache):
                 anchor=p.anchor.to(dev),
                 rotation=None if p.rotation is None else p.rotation.to(dev),
                 weights=None if p.weights is None else p.weights.to(dev),
+                center=None if p.center is None else p.center.to(dev),
             )
             for p in params
         )

@@ -216,18 +216,29 @@ def _outliers(y: torch.Tensor, frac: float) -> torch.Tensor | None:
 
 
 def quantize_tokens(
-    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0, pos0: int = 0
+    x: torch.Tensor,
+    spec: Fp2TensorSpec,
+    params: SideParams,
+    *,
+    what: str = "K",
+    layer_idx: int = 0,
+    pos0: int = 0,
+    staged: bool = False,
 ) -> Fp2Tokens:
     """Quantize whole blocks of tokens of one side.
 
     x: [T, H, D] float (T a multiple of the block size for 'token' blocks). Outliers, if any, are
-    chosen per head over these T tokens (the cache calls this once per full tail).
+    chosen per head over these T tokens (the cache calls this once per full tail). `staged`:
+    round the stored-space values to bf16 first, as the paged cache does (its tail holds them in
+    bf16 until the flush), so that a fake-quantizing harness reads back what the cache would.
 
     Raises:
         KVInputError: NaN/Inf in x (names layer, head, position), or T / D not divisible.
     """
     check_finite(x, what=what, layer_idx=layer_idx, pos0=pos0)
     y = to_stored_space(x, params)
+    if staged:
+        y = y.to(torch.bfloat16).float()
     mask = _outliers(y, spec.outlier_frac)
     weights = None
     if spec.scale_rule == "wmse" and params.weights is not None:
@@ -257,8 +268,14 @@ def dequantize_tokens(q: Fp2Tokens, spec: Fp2TensorSpec, params: SideParams) -> 
 
 
 def fake_quantize(
-    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0
+    x: torch.Tensor,
+    spec: Fp2TensorSpec,
+    params: SideParams,
+    *,
+    what: str = "K",
+    layer_idx: int = 0,
+    staged: bool = False,
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved."""
-    q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx)
+    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved (`staged`: see `quantize_tokens`)."""
+    q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx, staged=staged)
     return dequantize_tokens(q, spec, params).to(x.dtype)

@@ -1,7 +1,7 @@
 """One evaluation: perplexity and passkey retrieval of a KV format against full precision.
 
-Calibration (anchors, calibrated levels) uses a window taken from the *end* of the token stream,
-disjoint from the evaluation windows, which start at token 0.
+Calibration (anchors, calibrated levels, centers) uses one window of `calib_tokens` (2048) taken
+from the *end* of the token stream, disjoint from the evaluation windows, which start at token 0.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ class EvalResult:
 class Evaluator:
     """Holds a loaded model, the tokenized text, calibration samples and reference results."""
 
-    def __init__(self, model: str | LoadedModel, text: str = "pydoc") -> None:
+    def __init__(self, model: str | LoadedModel, text: str = "pydoc", *, calib_tokens: int = CALIB_TOKENS) -> None:
         self.lm = load_model(model) if isinstance(model, str) else model
         self.text_name = text
+        self.calib_tokens = min(calib_tokens, self.lm.max_ctx)
+        if self.calib_tokens < 1:
+            raise ConfigError(f"calibration needs at least one token, got {calib_tokens}")
         self.ids = self.lm.tokenizer(load_text(text), return_tensors="pt").input_ids[0]
         self._samples: dict[int, LayerSample] | None = None
         self._ref: dict[tuple, float] = {}
@@ -66,7 +69,7 @@ class Evaluator:
     def samples(self) -> dict[int, LayerSample]:
         """Per-layer q/k/v of the calibration window (captured once)."""
         if self._samples is None:
-            n = min(CALIB_TOKENS, self.lm.max_ctx)
+            n = self.calib_tokens
             if self.ids.numel() < 2 * n:
                 raise ConfigError(f"text too short to hold a {n}-token calibration window")
             session = CodecSession(self.lm.model, None, capture=True)
@@ -113,7 +116,7 @@ class Evaluator:
         if ctx > lm.max_ctx:
             raise ConfigError(f"context {ctx} exceeds the model's limit of {lm.max_ctx} positions")
         codec = self.codec(kv)
-        stream = self.ids[: self.ids.numel() - CALIB_TOKENS]  # disjoint from the calibration window
+        stream = self.ids[: self.ids.numel() - self.calib_tokens]  # disjoint from the calibration window
         wins = windows(stream, ctx, first_window + num_windows)[first_window:]
         ref_session = CodecSession(lm.model, None)
         ref_nll = self._reference(
