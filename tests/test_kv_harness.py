@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from zerodram.runtime.kv.cache import make_kv_cache
 from zerodram.runtime.kv.codecs import make_codec
 from zerodram.runtime.kv.errors import KVCapacityError, KVInputError
+from zerodram.runtime.kv.feedback import feedback_codes, feedback_factor
 from zerodram.runtime.kv.format import TailRule, parse_kv_spec, tail_rule
+from zerodram.runtime.kv.levels import named_levels, nearest_code
+from zerodram.runtime.kv.params import LayerSample
 from zerodram.runtime.kv_eval.hook import _masked_attention, codec_attention, full_precision_mask
 
 H, D = 2, 64
@@ -98,21 +101,32 @@ CACHE_SPECS = [
     "fp2:kblk=t32,vblk=c16,scale=e8m0,asym=1",
     "fp2:rule=rms,sinks=0,tail=64",
     "fp2:tail=16,window=16,kblk=t16",
+    "fp2:fb=1,center=1,kanchor=score,levels=cal",
+    "fp2:kfb=1,kblk=t32,kasym=1,vfb=1,vrot=0",
 ]
+
+
+def _sample(seed: int, G: int = 2) -> LayerSample:
+    """Synthetic calibration data: queries with a mean direction, keys with an offset."""
+    gen = torch.Generator().manual_seed(seed)
+    T = 128
+    q = torch.randn(T, H, G, D, generator=gen) + 2 * torch.randn(1, H, 1, D, generator=gen)
+    k, v = _tokens(T, seed + 1)
+    return LayerSample(q=q, k=k + 1.5, v=v, o_proj=torch.randn(32, H * G * D, generator=gen))
 
 
 @FAST
 @given(st.sampled_from(CACHE_SPECS), st.integers(1, 260), st.integers(0, 2**31 - 1))
 def test_codec_reads_back_what_the_paged_cache_holds(kv: str, n: int, seed: int) -> None:
     """Harness (whole-sequence fake quantization) == paged cache (token-by-token) on FP2 tokens;
-    the 16-bit tokens differ only by the cache's bf16 storage."""
+    the 16-bit tokens differ only by the cache's bf16 storage. Calibrated constants included."""
     spec = parse_kv_spec(kv).spec
     k, v = _tokens(n, seed)
-    cache = make_kv_cache(kv, num_pages=8, num_kv_heads=H, head_dim=D)
+    codec = make_codec(spec, num_layers=1, num_kv_heads=H, head_dim=D, samples={0: _sample(seed)})
+    cache = make_kv_cache(kv, num_pages=8, num_kv_heads=H, head_dim=D, params=codec.params[0])
     sid = cache.new_sequence()
     cache.append(sid, k, v)
     ck, cv = cache.gather(sid)
-    codec = make_codec(spec, num_layers=1, num_kv_heads=H, head_dim=D)
     hk, hv = codec.fake_kv(0, k, v)
     a, b = codec.quantized_span(n)
     assert (a, b) == (min(spec.num_sinks, n), min(spec.num_sinks, n) + cache.rule.num_quantized(n))
@@ -172,3 +186,25 @@ def test_wrong_shapes_and_dtypes_name_the_expected(fmt: str, shape: list[int], d
     with pytest.raises(KVInputError, match=r"\[T, 2, 64\]|fp32, bf16 or fp16"):
         cache.append(sid, x, x)
     assert cache.seq_len(sid) == 0
+
+
+@FAST
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["lm", "sig"]))
+def test_feedback_lowers_the_weighted_error(seed: int, levels: str) -> None:
+    """Error feedback trades |e|^2 for e^T W e: lower weighted error than nearest rounding when W is
+    anisotropic; identical codes when W is diagonal (nothing to feed forward)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, Hh = 256, 2
+    lv = named_levels(levels)
+    y = torch.randn(T, Hh, D, generator=gen)
+    s = y.abs().amax(-1, keepdim=True).expand_as(y) / float(lv.abs().max())
+    mu = torch.randn(Hh, D, 1, generator=gen)
+    w = mu @ mu.transpose(1, 2) + 0.05 * torch.eye(D)  # [Hh, D, D]: one dominant direction
+    near = lv[nearest_code(y / s, lv).long()] * s
+    fb = lv[feedback_codes(y, s, None, lv, feedback_factor(w)).long()] * s
+    werr = lambda yh: torch.einsum("thd,hde,the->", y - yh, w, y - yh)  # noqa: E731
+    assert float(werr(fb)) < 0.7 * float(werr(near))
+    diag = feedback_codes(
+        y, s, None, lv, feedback_factor(torch.diag_embed(torch.rand(Hh, D, generator=gen) + 0.1))
+    )
+    assert torch.equal(diag, nearest_code(y / s, lv))

@@ -15,8 +15,10 @@ FP2 keys (``X`` = ``k`` or ``v`` sets one side, the bare key sets both):
 ``Xblk=c<n>|t<n>`` block along channels within a token / along tokens within a channel;
 ``Xscale=e4m3|e8m0|bf16``; ``Xrule=absmax|rms|mse|wmse``; ``Xlevels=sig|lm|cal``;
 ``Xrot=0|1`` Hadamard with random signs; ``Xanchor=none|rms|score``; ``Xasym=0|1``;
-``Xout=<fraction>`` sparse outliers; ``Xcenter=0|1`` subtract a calibrated per-channel mean; ``kprerope=0|1``; and ``sinks=``, ``tail=``, ``page=``,
-``seed=``, ``layerrot=0|1`` (one rotation per layer instead of one shared).
+``Xout=<fraction>`` sparse outliers; ``Xcenter=0|1`` subtract a calibrated per-channel mean;
+``Xfb=0|1`` error-feedback rounding against the calibrated error weight (feedback.py);
+``kprerope=0|1``; and ``sinks=``, ``tail=``, ``window=``, ``page=``, ``seed=``,
+``layerrot=0|1`` (one rotation per layer instead of one shared).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Fp2TensorSpec:
     outlier_frac: float = 0.0
     pre_rope: bool = False
     center: bool = False
+    feedback: bool = False
 
     def __post_init__(self) -> None:
         if self.block_axis not in ("channel", "token"):
@@ -182,7 +185,7 @@ def _side_value(base: str, key: str, value: str) -> dict:
     if base == "blk":
         axis, size = _block(value, key)
         return {"block_axis": axis, "block_size": size}
-    if base in ("rot", "asym", "prerope", "center"):
+    if base in ("rot", "asym", "prerope", "center", "fb"):
         return {_SIDE_KEYS[base]: _flag(value, key)}
     if base == "out":
         return {"outlier_frac": float(value)}
@@ -212,6 +215,7 @@ _SIDE_KEYS = {
     "out": "outlier_frac",
     "prerope": "pre_rope",
     "center": "center",
+    "fb": "feedback",
 }
 _GLOBAL_KEYS = {"sinks", "tail", "window", "page", "seed", "layerrot"}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.feedback import feedback_codes
 from zerodram.runtime.kv.format import Fp2TensorSpec, ScaleDtype, ScaleRule
 from zerodram.runtime.kv.levels import gaussian_rms_factor, midpoints, nearest_code
 from zerodram.runtime.kv.scales import round_scale
@@ -35,6 +36,7 @@ class SideParams:
     center: [H, D] static per-channel mean subtracted before rotation (original space), or None.
     Subtracting one vector from every key leaves every score row shifted by a constant, so
     softmax ignores it; for values it is added back to the attention output.
+    feedback: [H, D, D] factor of the error-feedback rounding (feedback.py), or None (nearest).
     """
 
     levels: torch.Tensor
@@ -42,6 +44,15 @@ class SideParams:
     rotation: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     center: torch.Tensor | None = None
+    feedback: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> SideParams:
+        """The same constants on `device`."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return SideParams(
+            levels=move(self.levels), anchor=move(self.anchor), rotation=move(self.rotation),
+            weights=move(self.weights), center=move(self.center), feedback=move(self.feedback),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,12 +251,26 @@ def quantize_tokens(
     if staged:
         y = y.to(torch.bfloat16).float()
     mask = _outliers(y, spec.outlier_frac)
+    codes, scales, offsets = quantize_stored(y, spec, params, outliers=mask)
+    values = None if mask is None else torch.where(mask, y, 0.0).to(torch.bfloat16).float()
+    return Fp2Tokens(codes=codes, scales=scales, offsets=offsets, outlier_mask=mask, outlier_values=values)
+
+
+def quantize_stored(
+    y: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, outliers: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes, block scales and offsets of stored-space values y [T, H, D] (what a flush writes).
+
+    Scales first, by the side's rule (outliers, a bool [T, H, D] mask, do not influence them), then
+    codes: nearest level, or error-feedback rounding when the side asks for it and `params` carries
+    its factor. Returns codes uint8 [T, H, D], scales and offsets in `Fp2Tokens`' shapes.
+    """
     weights = None
     if spec.scale_rule == "wmse" and params.weights is not None:
         weights = torch.broadcast_to(params.weights, y.shape)
-    if mask is not None:
+    if outliers is not None:
         base = torch.ones_like(y) if weights is None else weights
-        weights = torch.where(mask, 0.0, base)
+        weights = torch.where(outliers, 0.0, base)
     yb = _block_view(y, spec)
     wb = None if weights is None else _block_view(weights.contiguous(), spec)
     rule = "mse" if spec.scale_rule == "wmse" and wb is None else spec.scale_rule
@@ -253,8 +278,17 @@ def quantize_tokens(
         yb, params.levels, rule=rule, scale_dtype=spec.scale_dtype, asymmetric=spec.asymmetric, weights=wb
     )
     codes = _unblock(codes, spec, y.shape)
-    values = None if mask is None else torch.where(mask, y, 0.0).to(torch.bfloat16).float()
-    return Fp2Tokens(codes=codes, scales=scales, offsets=offsets, outlier_mask=mask, outlier_values=values)
+    if spec.feedback and params.feedback is not None:
+        per_elem = lambda t: _unblock(torch.broadcast_to(t[..., None], yb.shape), spec, y.shape)  # noqa: E731
+        codes = feedback_codes(
+            y,
+            per_elem(scales),
+            None if offsets is None else per_elem(offsets),
+            params.levels,
+            params.feedback,
+            exact=outliers,
+        )
+    return codes, scales, offsets
 
 
 def dequantize_tokens(q: Fp2Tokens, spec: Fp2TensorSpec, params: SideParams) -> torch.Tensor:
