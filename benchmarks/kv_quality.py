@@ -42,13 +42,44 @@ class Row:
 # The FP2 default (runtime/kv/format.py DEFAULT_FP2) is chosen on the development split
 # (windows 4-5), never on the windows reported here.
 ROWS: list[Row] = [
+    # references and baselines
     Row("BF16", "bf16", (2048, 8192)),
-    Row("FP8 e4m3 (scale 1)", "fp8"),
+    Row("FP8 e4m3 (static scale 1)", "fp8"),
     Row("INT4 per token, g32, asymmetric", "int4", (2048, 8192)),
-    Row("INT3 per token, g32", "int3"),
-    Row("KIVI-2 (K per channel g32 tokens, V per token g32, 128 recent fp16)", "kivi2", (2048, 8192)),
+    Row("INT3 per token, g32, asymmetric", "int3"),
+    Row(
+        "KIVI-2: K per channel (32 tokens), V per token (32 ch), 128 recent fp16 (flushed 128 at a time)",
+        "kivi2",
+        (2048, 8192),
+    ),
+    Row(
+        "KIVI-2, sliding: >= 96 recent fp16, flushed 32 at a time (same 127 fp16 rows)",
+        "kivi2:recent=32,window=96",
+    ),
     Row("INT2 per token, g64", "int2:g=64"),
     Row("INT2 per token, g32", "int2"),
+    # FP2, signature lattice {-3, -0.5, 0.5, 3}
+    Row(
+        "FP2 sig. lattice, absmax, blocks c32 (bf16 scale), no rotation, no sinks / tail",
+        "fp2:levels=sig,rule=absmax,rot=0,blk=c32,scale=bf16,sinks=0,tail=1",
+    ),
+    Row("FP2 sig. lattice, absmax, c64 e4m3, rotation, 4 sinks + 32 tail", "fp2:levels=sig,rule=absmax"),
+    Row("FP2 sig. lattice, MSE scale search (best rule), c64, rotation, 4 + 32", "fp2:levels=sig"),
+    # FP2, other levels and options (bare `fp2`: Lloyd-Max levels, MSE rule, c64 e4m3, rotation, 4 + 32)
+    Row("FP2 Lloyd-Max levels (bare `fp2`: calibration-free, what the kernels read)", "fp2"),
+    Row("FP2 calibrated levels (per layer and side)", "fp2:levels=cal"),
+    Row("FP2 without rotation", "fp2:rot=0"),
+    Row("FP2 RMS scale rule", "fp2:rule=rms"),
+    Row("FP2 E8M0 (power-of-two) scales", "fp2:scale=e8m0"),
+    Row("FP2 blocks of 32 channels", "fp2:blk=c32"),
+    Row("FP2 blocks of 16 channels", "fp2:blk=c16"),
+    Row("FP2 score anchor on K", "fp2:kanchor=score"),
+    Row("FP2 pre-RoPE K per channel (token blocks of 32), no K rotation", "fp2:kprerope=1,kblk=t32,krot=0"),
+    Row("FP2 + 0.5% sparse K outliers", "fp2:kout=0.005"),
+    Row("FP2 + K centered (calibrated mean, free for keys)", "fp2:kcenter=1"),
+    Row("FP2 + K error-feedback rounding", "fp2:kfb=1"),
+    Row("FP2 + K centered + K error feedback", "fp2:kcenter=1,kfb=1"),
+    Row("FP2 + pre-RoPE K centered + K error feedback", "fp2:kprerope=1,kcenter=1,kfb=1"),
 ]
 
 
@@ -173,7 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-ctx", type=int, default=8192, help="passkey length, run with the longest ctx")
     p.add_argument("--needle-trials", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default="", help="comma-separated --kv specs to restrict the rows to")
+    p.add_argument("--only", action="append", default=[], metavar="KV", help="restrict to these --kv specs (repeat)")
     p.add_argument("--fresh", action="store_true", help="measure again rows already stored")
     p.add_argument("--render-only", action="store_true", help="only rewrite docs/kv-quality.md")
 
@@ -181,8 +212,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rows = ROWS
     if args.only:
-        wanted = set(args.only.split(","))
-        rows = [r for r in ROWS if r.kv in wanted]
+        unknown = set(args.only) - {r.kv for r in ROWS}
+        if unknown:
+            raise SystemExit(f"--only: not rows of the table: {sorted(unknown)}")
+        rows = [r for r in ROWS if r.kv in args.only]
     if not args.render_only:
         measure(args, rows)
     render_doc(load_results(), ROWS)
