@@ -80,6 +80,10 @@ ROWS: list[Row] = [
     Row("FP2 + K error-feedback rounding", "fp2:kfb=1"),
     Row("FP2 + K centered + K error feedback", "fp2:kcenter=1,kfb=1"),
     Row("FP2 + pre-RoPE K centered + K error feedback", "fp2:kprerope=1,kcenter=1,kfb=1"),
+    # FP2 with a bf16 window of recent tokens (same bits: smaller flushes)
+    Row("FP2, window 32 + flush 16 (calibration-free)", "fp2:tail=16,window=32"),
+    Row("FP2, K error feedback, window 32 + flush 16", "fp2:kfb=1,tail=16,window=32"),
+    Row("FP2, K error feedback, window 40 + flush 8", "fp2:kfb=1,tail=8,window=40"),
 ]
 
 
