@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "zerodram.launch.demo_cmd",  # demo: the packaged SmolLM2 as experts on local ranks
     "zerodram.launch.generate_cmd",  # generate: one process, prompts in, text out
     "zerodram.launch.serve_cmd",  # serve: JSON-lines server on a topology's ranks
+    "zerodram.launch.eval_kv_cmd",  # eval-kv: perplexity / needle of a real LM through a KV format
     "zerodram.launch.bench_cmd",  # bench dispatch (attention, decode: one line each in bench_cmd)
 ]
 

@@ -448,7 +448,8 @@ def layer_from_cache(cache) -> Fp2Layer:
     """The kernels' view of a runtime/kv `Fp2KVCache` (no copy of the pages).
 
     Raises:
-        ConfigError: token blocks, asymmetric scales or a scale dtype the kernels do not read.
+        ConfigError: token blocks, asymmetric scales, a scale dtype the kernels do not read, or a
+            value center.
     """
     spec = cache.spec
     for name, side in (("k", spec.k), ("v", spec.v)):
@@ -457,6 +458,9 @@ def layer_from_cache(cache) -> Fp2Layer:
                 f"{name}: the FP2 kernels read symmetric channel blocks with e4m3/e8m0 scales, got "
                 f"blk={side.block_axis[0]}{side.block_size} scale={side.scale_dtype} asym={side.asymmetric}"
             )
+    if cache.params[1].center is not None:
+        # A value center must be added back to the output (docs/fp2-format.md); the kernels don't.
+        raise ConfigError("the FP2 kernels do not add a value center back (vcenter=1); use kcenter only")
     levels = torch.cat([cache.params[0].levels, cache.params[1].levels]).float().to(cache.device)
     return Fp2Layer(cache.k.codes, cache.k.scales, cache.v.codes, cache.v.scales, levels.contiguous())
 

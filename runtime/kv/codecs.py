@@ -140,11 +140,14 @@ class Fp2Codec(SequenceCodec):
             )
 
     def _side(self, x, side, params, what, layer_idx):
+        # staged: the stored-space values are rounded to bf16 before quantization, as in the paged
+        # cache's tail, so that the harness reads back exactly what Fp2KVCache would hold.
         if side.outlier_frac == 0:
-            return fake_quantize(x, side, params, what=what, layer_idx=layer_idx)
+            return fake_quantize(x, side, params, what=what, layer_idx=layer_idx, staged=True)
         # Outliers are chosen per flushed tail, as the cache does.
         chunks = [
-            fake_quantize(c, side, params, what=what, layer_idx=layer_idx) for c in x.split(self.rule.flush)
+            fake_quantize(c, side, params, what=what, layer_idx=layer_idx, staged=True)
+            for c in x.split(self.rule.flush)
         ]
         return torch.cat(chunks)
 
@@ -155,7 +158,7 @@ class Fp2Codec(SequenceCodec):
             return k_hat, v_hat
         kp, vp = self.params[layer_idx]
         dev = k.device
-        kp, vp = (_to(p, dev) for p in (kp, vp))
+        kp, vp = kp.to(dev), vp.to(dev)
         if self.spec.k.pre_rope:
             if cos is None or sin is None:
                 raise ValueError("pre-RoPE keys need the model's cos/sin")
@@ -166,16 +169,6 @@ class Fp2Codec(SequenceCodec):
             k_hat[a:b] = self._side(k[a:b], self.spec.k, kp, "K", layer_idx)
         v_hat[a:b] = self._side(v[a:b], self.spec.v, vp, "V", layer_idx)
         return k_hat, v_hat
-
-
-def _to(p: SideParams, device: torch.device) -> SideParams:
-    if p.anchor.device == device:
-        return p
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return SideParams(
-        levels=move(p.levels), anchor=move(p.anchor), rotation=move(p.rotation), weights=move(p.weights),
-        center=move(p.center),
-    )
 
 
 def make_codec(

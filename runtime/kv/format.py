@@ -4,7 +4,8 @@ Spec strings: ``NAME[:key=value,...]``. Names:
 
 - ``bf16``, ``fp32``, ``fp8`` (e4m3, one fp32 scale per (layer, head): counted as 8 bits)
 - ``int4`` / ``int3`` / ``int2``: asymmetric uniform INT-N per token, groups of ``g`` channels
-  (``g=32``, fp16 scale + zero point), optional ``recent=R`` full-precision tokens
+  (``g=32``, fp16 scale + zero point), optional ``recent=R`` full-precision tokens flushed R at a
+  time, and ``window=W`` more that always stay full precision
 - ``kivi2``: KIVI style asymmetric INT2, keys per channel over groups of 32 tokens, values per
   token in groups of 32 channels, 128 recent tokens in fp16
 - ``fp2``: the FP2 format of docs/fp2-format.md; keys (prefix ``k``) and values (prefix ``v``)
@@ -14,8 +15,10 @@ FP2 keys (``X`` = ``k`` or ``v`` sets one side, the bare key sets both):
 ``Xblk=c<n>|t<n>`` block along channels within a token / along tokens within a channel;
 ``Xscale=e4m3|e8m0|bf16``; ``Xrule=absmax|rms|mse|wmse``; ``Xlevels=sig|lm|cal``;
 ``Xrot=0|1`` Hadamard with random signs; ``Xanchor=none|rms|score``; ``Xasym=0|1``;
-``Xout=<fraction>`` sparse outliers; ``Xcenter=0|1`` subtract a calibrated per-channel mean; ``kprerope=0|1``; and ``sinks=``, ``tail=``, ``page=``,
-``seed=``, ``layerrot=0|1`` (one rotation per layer instead of one shared).
+``Xout=<fraction>`` sparse outliers; ``Xcenter=0|1`` subtract a calibrated per-channel mean;
+``Xfb=0|1`` error-feedback rounding against the calibrated error weight (feedback.py);
+``kprerope=0|1``; and ``sinks=``, ``tail=``, ``window=``, ``page=``, ``seed=``,
+``layerrot=0|1`` (one rotation per layer instead of one shared).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Fp2TensorSpec:
     outlier_frac: float = 0.0
     pre_rope: bool = False
     center: bool = False
+    feedback: bool = False
 
     def __post_init__(self) -> None:
         if self.block_axis not in ("channel", "token"):
@@ -120,6 +124,9 @@ class IntSpec:
 
     `k_axis`/`v_axis` 'channel': groups of `group` channels of one token; 'token': groups of
     `group` tokens of one channel. `recent`: newest tokens kept in fp16 (flushed `recent` at a time).
+    `window`: tokens that always stay in fp16 besides the unflushed ones (0: KIVI's own rule, the
+    residual fills to `recent` then is quantized whole; `recent=32,window=96` keeps the same 127
+    fp16 rows but every query sees at least 96 recent tokens in fp16).
     """
 
     bits: int = 4
@@ -127,12 +134,15 @@ class IntSpec:
     k_axis: BlockAxis = "channel"
     v_axis: BlockAxis = "channel"
     recent: int = 0
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 3, 4, 8):
             raise ConfigError(f"INT bits must be 2, 3, 4 or 8, got {self.bits}")
         if self.k_axis == "token" and (self.recent < self.group or self.recent % self.group):
             raise ConfigError("per-channel INT keys need recent to be a multiple of the group")
+        if self.window < 0:
+            raise ConfigError(f"window must be >= 0, got {self.window}")
 
 
 KVSpec = Fp2Spec | DenseSpec | IntSpec
@@ -175,7 +185,7 @@ def _side_value(base: str, key: str, value: str) -> dict:
     if base == "blk":
         axis, size = _block(value, key)
         return {"block_axis": axis, "block_size": size}
-    if base in ("rot", "asym", "prerope", "center"):
+    if base in ("rot", "asym", "prerope", "center", "fb"):
         return {_SIDE_KEYS[base]: _flag(value, key)}
     if base == "out":
         return {"outlier_frac": float(value)}
@@ -205,6 +215,7 @@ _SIDE_KEYS = {
     "out": "outlier_frac",
     "prerope": "pre_rope",
     "center": "center",
+    "fb": "feedback",
 }
 _GLOBAL_KEYS = {"sinks", "tail", "window", "page", "seed", "layerrot"}
 
@@ -230,11 +241,15 @@ def parse_kv_spec(text: str) -> ParsedKV:
         if name != "kivi2":
             base = IntSpec(bits=int(name[3:]), group=32)
         try:
-            upd = {"group": int(opts.pop("g", base.group)), "recent": int(opts.pop("recent", base.recent))}
+            upd = {
+                "group": int(opts.pop("g", base.group)),
+                "recent": int(opts.pop("recent", base.recent)),
+                "window": int(opts.pop("window", base.window)),
+            }
         except ValueError as err:
             raise ConfigError(f"{text}: {err}") from None
         if opts:
-            raise ConfigError(f"unknown options for {name}: {sorted(opts)} (g, recent)")
+            raise ConfigError(f"unknown options for {name}: {sorted(opts)} (g, recent, window)")
         return ParsedKV(text, replace(base, **upd))
     if name != "fp2":
         raise ConfigError(f"unknown KV format {name!r} (bf16, fp32, fp8, int2/3/4/8, kivi2, fp2)")
@@ -297,7 +312,7 @@ def tail_rule(spec: KVSpec) -> TailRule:
     if isinstance(spec, Fp2Spec):
         return TailRule(spec.num_sinks, spec.window, spec.tail_tokens)
     if isinstance(spec, IntSpec):
-        return TailRule(0, 0, max(spec.recent, 1))
+        return TailRule(0, spec.window, max(spec.recent, 1))
     return TailRule()
 
 

@@ -23,7 +23,7 @@ from zerodram.runtime.kv.quantize import (
     _unblock,
     dequantize_blocks,
     from_stored_space,
-    quantize_blocks,
+    quantize_stored,
     to_stored_space,
 )
 from zerodram.runtime.kv.scales import decode_scale, encode_scale
@@ -75,15 +75,7 @@ class Fp2KVCache(KVCache):
         if params is None:
             kw = {"layer_idx": self.layer_idx, "num_kv_heads": H, "head_dim": D, "spec": spec}
             params = (side_params(spec.k, name="k", **kw), side_params(spec.v, name="v", **kw))
-        self.params = tuple(
-            SideParams(
-                levels=p.levels.to(dev),
-                anchor=p.anchor.to(dev),
-                rotation=None if p.rotation is None else p.rotation.to(dev),
-                weights=None if p.weights is None else p.weights.to(dev),
-            )
-            for p in params
-        )
+        self.params = tuple(p.to(dev) for p in params)
         self.k = _SidePages(spec.k, self.num_pages, H, P, D, dev)
         self.v = _SidePages(spec.v, self.num_pages, H, P, D, dev)
         self.rule = tail_rule(spec)
@@ -131,15 +123,7 @@ class Fp2KVCache(KVCache):
             (self.v, self.hp_v, self.spec.v, self.params[1]),
         ):
             y = hp[seq_id, :, S : S + F].float().transpose(0, 1)  # [F, H, D]
-            w = None
-            if side.scale_rule == "wmse" and params.weights is not None:
-                w = _block_view(torch.broadcast_to(params.weights, y.shape).contiguous(), side)
-            rule = "mse" if side.scale_rule == "wmse" and w is None else side.scale_rule
-            codes, scales, offsets = quantize_blocks(
-                _block_view(y, side), params.levels, rule=rule, scale_dtype=side.scale_dtype,
-                asymmetric=side.asymmetric, weights=w,
-            )
-            codes = _unblock(codes, side, y.shape)  # [F, H, D]
+            codes, scales, offsets = quantize_stored(y, side, params)  # codes [F, H, D]
             pages.codes[page, :, r0 : r0 + F] = pack_codes(codes).transpose(0, 1)
             if side.block_axis == "channel":
                 dst = (page, slice(None), slice(r0, r0 + F))

@@ -12,10 +12,12 @@ the head), so that block scales sit near 1 where E4M3 is most precise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.feedback import feedback_factor
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec
 from zerodram.runtime.kv.levels import fit_lloyd_max, named_levels, round_levels_e5m2
 from zerodram.runtime.kv.quantize import SideParams, _block_view, quantize_blocks, to_stored_space
@@ -28,6 +30,7 @@ class LayerSample:
 
     q: [T, H, G, D] queries grouped by KV head (G = query heads per KV head);
     k, v: [T, H, D] keys (post-RoPE) and values; k_pre: [T, H, D] keys before RoPE.
+    o_proj: [hidden, H * G * D] the attention's output projection (value feedback), or None.
     """
 
     q: torch.Tensor
@@ -35,6 +38,7 @@ class LayerSample:
     v: torch.Tensor
     q_pre: torch.Tensor | None = None
     k_pre: torch.Tensor | None = None
+    o_proj: torch.Tensor | None = None
 
 
 def _rms(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -53,7 +57,8 @@ def side_params(
 ) -> SideParams:
     """Constants of one side ('k' or 'v') of one layer.
 
-    Without a calibration sample: anchors are 1 and 'cal' levels fall back to Lloyd-Max.
+    Without a calibration sample: anchors are 1, 'cal' levels fall back to Lloyd-Max, and there is
+    no center and no feedback factor (nearest rounding): these need calibration.
     """
     rot = None
     if side.rotate:
@@ -87,10 +92,32 @@ def side_params(
         weights = weights / weights.mean(-1, keepdim=True)
     params = SideParams(levels=levels, anchor=anchor, rotation=rot, weights=weights, center=center)
     if side.levels == "cal":
-        params = SideParams(
-            levels=calibrate_levels(x, side, params), anchor=anchor, rotation=rot, weights=weights, center=center
-        )
+        params = replace(params, levels=calibrate_levels(x, side, params))
+    if side.feedback:
+        params = replace(params, feedback=feedback_factor(_error_weight(name, qr, anchor, rot, sample)))
     return params
+
+
+def _error_weight(
+    name: str, qr: torch.Tensor, anchor: torch.Tensor, rot: torch.Tensor | None, sample: LayerSample
+) -> torch.Tensor:
+    """W of feedback.py in the stored space, [H, D, D]: E[q' q'^T] for keys (qr: rotated queries
+    [T, H, G, D]), the group's o_proj^T o_proj for values.
+
+    Raises:
+        ConfigError: value feedback without the output projection in the sample.
+    """
+    if name == "k":
+        qa = qr * anchor[None, :, None, :]  # q' = (q @ R) * anchor
+        return torch.einsum("thgd,thge->hde", qa, qa) / (qa.shape[0] * qa.shape[2])
+    if sample.o_proj is None:
+        raise ConfigError("value feedback (vfb=1) needs the attention's o_proj in the calibration sample")
+    H, D = anchor.shape
+    w = sample.o_proj.float().reshape(sample.o_proj.shape[0], H, -1, D)  # [hidden, H, G, D]
+    wv = torch.einsum("ohgd,ohge->hde", w, w)  # original space
+    if rot is not None:
+        wv = rot.T @ wv @ rot  # e_v = (e_y * a) @ R^T
+    return wv * anchor[:, :, None] * anchor[:, None, :]
 
 
 def calibrate_levels(x: torch.Tensor, side: Fp2TensorSpec, params: SideParams, rounds: int = 4) -> torch.Tensor:

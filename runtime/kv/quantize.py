@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.feedback import feedback_codes
 from zerodram.runtime.kv.format import Fp2TensorSpec, ScaleDtype, ScaleRule
-from zerodram.runtime.kv.levels import gaussian_rms_factor, nearest_code
+from zerodram.runtime.kv.levels import gaussian_rms_factor, midpoints, nearest_code
 from zerodram.runtime.kv.scales import round_scale
 
 # Candidate scales of the MSE search, as fractions of absmax / max|level|.
@@ -35,6 +36,7 @@ class SideParams:
     center: [H, D] static per-channel mean subtracted before rotation (original space), or None.
     Subtracting one vector from every key leaves every score row shifted by a constant, so
     softmax ignores it; for values it is added back to the attention output.
+    feedback: [H, D, D] factor of the error-feedback rounding (feedback.py), or None (nearest).
     """
 
     levels: torch.Tensor
@@ -42,6 +44,15 @@ class SideParams:
     rotation: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     center: torch.Tensor | None = None
+    feedback: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> SideParams:
+        """The same constants on `device`."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return SideParams(
+            levels=move(self.levels), anchor=move(self.anchor), rotation=move(self.rotation),
+            weights=move(self.weights), center=move(self.center), feedback=move(self.feedback),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,17 +106,41 @@ def _search_scales(
 ) -> torch.Tensor:
     """Per block, the candidate scale (rounded to `dtype`) of least weighted squared error.
 
-    y, w: [NB, BS]; s0: [NB] absmax / max|level|. Returns [NB].
+    y, w: [NB, BS]; s0: [NB] absmax / max|level|. Returns [NB]. Candidates: `s0 * MSE_FRACTIONS`
+    rounded to the scale format; ties go to the first (smallest) candidate.
+
+    With y sorted per block, the elements that candidate s maps to level i form one run
+    [b_i, b_i+1), b_i = #(y < s * m_i) (midpoints m_i; ties go up, as in `nearest_code`), so
+        err(s) = sum w y^2 - 2 s sum_i L_i sum_run(w y) + s^2 sum_i L_i^2 sum_run(w)
+    from prefix sums: O(BS log BS + C log BS) per block instead of O(C * BS). The sums are fp64
+    so that the subtraction keeps the error's digits.
     """
     fr = MSE_FRACTIONS.to(y.device)
+    lv = levels.to(y.device).double()
+    mids = midpoints(levels.to(y.device).float())
     out = torch.empty_like(s0)
-    step = max(1, _CHUNK_ELEMS // (y.shape[1] * fr.numel()))
+    step = max(1, _CHUNK_ELEMS // (y.shape[1] + 4 * fr.numel()))
     for i in range(0, y.shape[0], step):
-        yc, wc = y[i : i + step], w[i : i + step]
+        yc, wc = y[i : i + step].float(), w[i : i + step].float()
+        nb, bs = yc.shape
         cand = round_scale(s0[i : i + step, None] * fr, dtype)  # [nb, C]
-        z = yc[:, None, :] / cand[..., None]  # [nb, C, BS]
-        deq = levels[nearest_code(z, levels).long()] * cand[..., None]
-        err = ((yc[:, None, :] - deq).pow(2) * wc[:, None, :]).sum(-1)  # [nb, C]
+        ys, order = yc.contiguous().sort(-1)
+        ys = ys.contiguous()
+        ws = wc.gather(-1, order).double()
+        zero = torch.zeros(nb, 1, dtype=torch.float64, device=y.device)
+        p_w = torch.cat([zero, ws.cumsum(-1)], -1)  # [nb, BS + 1]
+        p_wy = torch.cat([zero, (ws * ys.double()).cumsum(-1)], -1)
+        s_wyy = (ws * ys.double().pow(2)).sum(-1, keepdim=True)  # [nb, 1]
+        thr = (cand[..., None] * mids).reshape(nb, -1)  # [nb, C * 3]
+        b = torch.searchsorted(ys, thr).reshape(nb, -1, 3)  # [nb, C, 3] first index with y >= s m
+        edges = torch.cat(
+            [torch.zeros_like(b[..., :1]), b, torch.full_like(b[..., :1], bs)], -1
+        )  # [nb, C, 5]
+        flat = edges.reshape(nb, -1)
+        sw = p_w.gather(1, flat).reshape(edges.shape).diff(dim=-1)  # [nb, C, 4] weight per level
+        swy = p_wy.gather(1, flat).reshape(edges.shape).diff(dim=-1)
+        c = cand.double()
+        err = s_wyy - 2 * c * (swy * lv).sum(-1) + c * c * (sw * lv * lv).sum(-1)  # [nb, C]
         out[i : i + step] = cand.gather(1, err.argmin(1, keepdim=True))[:, 0]
     return out
 
@@ -192,25 +227,50 @@ def _outliers(y: torch.Tensor, frac: float) -> torch.Tensor | None:
 
 
 def quantize_tokens(
-    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0, pos0: int = 0
+    x: torch.Tensor,
+    spec: Fp2TensorSpec,
+    params: SideParams,
+    *,
+    what: str = "K",
+    layer_idx: int = 0,
+    pos0: int = 0,
+    staged: bool = False,
 ) -> Fp2Tokens:
     """Quantize whole blocks of tokens of one side.
 
     x: [T, H, D] float (T a multiple of the block size for 'token' blocks). Outliers, if any, are
-    chosen per head over these T tokens (the cache calls this once per full tail).
+    chosen per head over these T tokens (the cache calls this once per full tail). `staged`:
+    round the stored-space values to bf16 first, as the paged cache does (its tail holds them in
+    bf16 until the flush), so that a fake-quantizing harness reads back what the cache would.
 
     Raises:
         KVInputError: NaN/Inf in x (names layer, head, position), or T / D not divisible.
     """
     check_finite(x, what=what, layer_idx=layer_idx, pos0=pos0)
     y = to_stored_space(x, params)
+    if staged:
+        y = y.to(torch.bfloat16).float()
     mask = _outliers(y, spec.outlier_frac)
+    codes, scales, offsets = quantize_stored(y, spec, params, outliers=mask)
+    values = None if mask is None else torch.where(mask, y, 0.0).to(torch.bfloat16).float()
+    return Fp2Tokens(codes=codes, scales=scales, offsets=offsets, outlier_mask=mask, outlier_values=values)
+
+
+def quantize_stored(
+    y: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, outliers: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes, block scales and offsets of stored-space values y [T, H, D] (what a flush writes).
+
+    Scales first, by the side's rule (outliers, a bool [T, H, D] mask, do not influence them), then
+    codes: nearest level, or error-feedback rounding when the side asks for it and `params` carries
+    its factor. Returns codes uint8 [T, H, D], scales and offsets in `Fp2Tokens`' shapes.
+    """
     weights = None
     if spec.scale_rule == "wmse" and params.weights is not None:
         weights = torch.broadcast_to(params.weights, y.shape)
-    if mask is not None:
+    if outliers is not None:
         base = torch.ones_like(y) if weights is None else weights
-        weights = torch.where(mask, 0.0, base)
+        weights = torch.where(outliers, 0.0, base)
     yb = _block_view(y, spec)
     wb = None if weights is None else _block_view(weights.contiguous(), spec)
     rule = "mse" if spec.scale_rule == "wmse" and wb is None else spec.scale_rule
@@ -218,8 +278,17 @@ def quantize_tokens(
         yb, params.levels, rule=rule, scale_dtype=spec.scale_dtype, asymmetric=spec.asymmetric, weights=wb
     )
     codes = _unblock(codes, spec, y.shape)
-    values = None if mask is None else torch.where(mask, y, 0.0).to(torch.bfloat16).float()
-    return Fp2Tokens(codes=codes, scales=scales, offsets=offsets, outlier_mask=mask, outlier_values=values)
+    if spec.feedback and params.feedback is not None:
+        per_elem = lambda t: _unblock(torch.broadcast_to(t[..., None], yb.shape), spec, y.shape)  # noqa: E731
+        codes = feedback_codes(
+            y,
+            per_elem(scales),
+            None if offsets is None else per_elem(offsets),
+            params.levels,
+            params.feedback,
+            exact=outliers,
+        )
+    return codes, scales, offsets
 
 
 def dequantize_tokens(q: Fp2Tokens, spec: Fp2TensorSpec, params: SideParams) -> torch.Tensor:
@@ -233,8 +302,14 @@ def dequantize_tokens(q: Fp2Tokens, spec: Fp2TensorSpec, params: SideParams) -> 
 
 
 def fake_quantize(
-    x: torch.Tensor, spec: Fp2TensorSpec, params: SideParams, *, what: str = "K", layer_idx: int = 0
+    x: torch.Tensor,
+    spec: Fp2TensorSpec,
+    params: SideParams,
+    *,
+    what: str = "K",
+    layer_idx: int = 0,
+    staged: bool = False,
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved."""
-    q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx)
+    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved (`staged`: see `quantize_tokens`)."""
+    q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx, staged=staged)
     return dequantize_tokens(q, spec, params).to(x.dtype)

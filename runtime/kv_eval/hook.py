@@ -196,14 +196,15 @@ class CodecSession:
         self._calls = 0
 
     # -- the attention body shared by both hooking paths --
-    def _attend(self, layer: int, q, k, v, scaling: float) -> torch.Tensor:
-        """q: [1, Hq, T, D], k/v: [1, H, T, D] -> [1, T, Hq, D]."""
+    def _attend(self, layer: int, q, k, v, scaling: float, o_proj: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [1, Hq, T, D], k/v: [1, H, T, D] -> [1, T, Hq, D]. o_proj: the layer's output
+        projection weight, recorded with calibration samples when known."""
         if q.shape[0] != 1:
             raise ValueError("the KV quality hook runs batch 1")
         q0, k0, v0 = q[0], k[0], v[0]
         cos, sin = self._cos_sin if self._cos_sin is not None else (None, None)
         if self.capture:
-            self._record(layer, q0, k0, v0, cos, sin)
+            self._record(layer, q0, k0, v0, cos, sin, o_proj)
         codec = self.codec
         if codec is None or codec.identity or self.capture:
             o = codec_attention(q0, k0, v0, k0, v0, scaling=scaling, rule=TailRule(), exact=True)
@@ -223,7 +224,7 @@ class CodecSession:
         )
         return o[None]
 
-    def _record(self, layer, q0, k0, v0, cos, sin) -> None:
+    def _record(self, layer, q0, k0, v0, cos, sin, o_proj) -> None:
         from zerodram.runtime.kv.codecs import invert_rope
 
         H, T, D = k0.shape
@@ -233,7 +234,8 @@ class CodecSession:
         if cos is not None:
             k_pre = invert_rope(kt, cos, sin)
             q_pre = invert_rope(qt.reshape(T, -1, D), cos, sin).reshape(qt.shape)
-        self.samples[layer] = LayerSample(q=qt, k=kt, v=vt, q_pre=q_pre, k_pre=k_pre)
+        w = None if o_proj is None else o_proj.detach().float().clone()
+        self.samples[layer] = LayerSample(q=qt, k=kt, v=vt, q_pre=q_pre, k_pre=k_pre, o_proj=w)
 
     def _set_rope(self, T: int) -> None:
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
@@ -271,7 +273,8 @@ class CodecSession:
 
         def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return self._attend(module.layer_idx, query, key, value, scale), None
+            o_proj = getattr(getattr(module, "o_proj", None), "weight", None)
+            return self._attend(module.layer_idx, query, key, value, scale, o_proj), None
 
         interface.register(name, attention)
         configs = _all_configs(self.model)

@@ -1,7 +1,9 @@
 """Load a pretrained causal LM (HF directory, GGUF file, or the packaged SmolLM2) in fp32 on CPU.
 
 GGUF weights are de-quantized by transformers at load (tens of seconds for 135M parameters); the
-result is cached as a torch state dict under ZERODRAM_CACHE_DIR/models/ so later loads take seconds.
+result is saved once as an fp32 safetensors checkpoint (save_pretrained) under
+ZERODRAM_CACHE_DIR/models/<key>/, keyed by the GGUF file's path, size and mtime, so later loads take
+about a second.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,12 +60,38 @@ def _cache_dir(directory: Path, gguf: str | None) -> Path:
     src = directory / gguf if gguf else directory
     stat = src.stat()
     key = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return Path(ENVS.CACHE_DIR.get()) / "models" / key
+    # "-hf": a save_pretrained copy; earlier versions kept a bare state dict under the plain key.
+    return Path(ENVS.CACHE_DIR.get()) / "models" / f"{key}-hf"
+
+
+def _convert_gguf(directory: Path, gguf: str, cache: Path) -> None:
+    """De-quantize a GGUF checkpoint once into an fp32 safetensors copy (plus tokenizer) at `cache`."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+    # save_pretrained refuses a model loaded from GGUF (it counts as quantized): write the fp32
+    # weights and a config without the quantization entry by hand.
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cache)  # atomic: a partial copy is never taken for a cache
+    except OSError:
+        if not (cache / "model.safetensors").exists():  # not a concurrent conversion that won
+            shutil.rmtree(cache, ignore_errors=True)
+            tmp.rename(cache)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(name: str) -> LoadedModel:
     """Load `name` (see `resolve`) in fp32, eval mode, on CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, gguf = resolve(name)
     if gguf is None:
@@ -69,20 +99,12 @@ def load_model(name: str) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     else:
         cache = _cache_dir(directory, gguf)
-        if not (cache / "weights.pt").exists():
-            tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
-            cache.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(cache)
-            cfg = model.config.to_dict()
-            cfg.pop("quantization_config", None)
-            (cache / "config.json").write_text(json.dumps(cfg))
-            tmp = cache / "weights.pt.tmp"
-            torch.save(model.state_dict(), tmp)
-            tmp.rename(cache / "weights.pt")  # atomic: a partial file is never taken for a cache
+        if not (cache / "model.safetensors").exists():
+            _convert_gguf(directory, gguf, cache)
+        # from_pretrained on the converted copy skips the random init that from_config would do
+        # (seconds for 135M parameters; the smoke test runs this on every CI run).
         tok = AutoTokenizer.from_pretrained(cache)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cache), dtype=torch.float32)
-        model.load_state_dict(torch.load(cache / "weights.pt", weights_only=True))
+        model = AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32)
     model.eval()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -1,7 +1,7 @@
 """One evaluation: perplexity and passkey retrieval of a KV format against full precision.
 
-Calibration (anchors, calibrated levels) uses a window taken from the *end* of the token stream,
-disjoint from the evaluation windows, which start at token 0.
+Calibration (anchors, calibrated levels, centers) uses one window of `calib_tokens` (2048) taken
+from the *end* of the token stream, disjoint from the evaluation windows, which start at token 0.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class EvalResult:
     rel_delta_ppl: float
     attn_rel_err: float
     num_windows: int
+    first_window: int
     num_scored: int
     needle_ctx: int
     needle_trials: int
@@ -54,9 +55,12 @@ class EvalResult:
 class Evaluator:
     """Holds a loaded model, the tokenized text, calibration samples and reference results."""
 
-    def __init__(self, model: str | LoadedModel, text: str = "pydoc") -> None:
+    def __init__(self, model: str | LoadedModel, text: str = "pydoc", *, calib_tokens: int = CALIB_TOKENS) -> None:
         self.lm = load_model(model) if isinstance(model, str) else model
         self.text_name = text
+        self.calib_tokens = min(calib_tokens, self.lm.max_ctx)
+        if self.calib_tokens < 1:
+            raise ConfigError(f"calibration needs at least one token, got {calib_tokens}")
         self.ids = self.lm.tokenizer(load_text(text), return_tensors="pt").input_ids[0]
         self._samples: dict[int, LayerSample] | None = None
         self._ref: dict[tuple, float] = {}
@@ -65,7 +69,7 @@ class Evaluator:
     def samples(self) -> dict[int, LayerSample]:
         """Per-layer q/k/v of the calibration window (captured once)."""
         if self._samples is None:
-            n = min(CALIB_TOKENS, self.lm.max_ctx)
+            n = self.calib_tokens
             if self.ids.numel() < 2 * n:
                 raise ConfigError(f"text too short to hold a {n}-token calibration window")
             session = CodecSession(self.lm.model, None, capture=True)
@@ -87,21 +91,37 @@ class Evaluator:
         return self._ref[key]
 
     def run(
-        self, kv: str, *, ctx: int, num_windows: int = 4, needle_ctx: int | None = None, needle_trials: int = 3
+        self,
+        kv: str,
+        *,
+        ctx: int,
+        num_windows: int = 4,
+        first_window: int = 0,
+        needle_ctx: int | None = None,
+        needle_trials: int = 3,
     ) -> EvalResult:
         """Evaluate `kv` at context `ctx`; needle at `needle_ctx` (default: the model's limit, 0: skip).
+
+        Windows `first_window .. first_window + num_windows - 1` of `ctx` tokens are scored. The
+        protocol of record is `first_window=0`; a later start gives a development split on which
+        configurations can be chosen without looking at the reported windows.
 
         Raises:
             ConfigError: bad spec, context beyond the model's limit, or text too short.
         """
         t0 = time.time()
         lm = self.lm
+        if first_window < 0 or num_windows < 1:
+            raise ConfigError(f"need first_window >= 0 and num_windows >= 1, got {first_window}, {num_windows}")
         if ctx > lm.max_ctx:
             raise ConfigError(f"context {ctx} exceeds the model's limit of {lm.max_ctx} positions")
         codec = self.codec(kv)
-        wins = windows(self.ids[: self.ids.numel() - CALIB_TOKENS], ctx, num_windows)
+        stream = self.ids[: self.ids.numel() - self.calib_tokens]  # disjoint from the calibration window
+        wins = windows(stream, ctx, first_window + num_windows)[first_window:]
         ref_session = CodecSession(lm.model, None)
-        ref_nll = self._reference(("ppl", ctx, num_windows), lambda: perplexity(ref_session, wins).nll)
+        ref_nll = self._reference(
+            ("ppl", ctx, first_window, num_windows), lambda: perplexity(ref_session, wins).nll
+        )
         session = CodecSession(lm.model, codec)
         res = perplexity(session, wins)
         ppl_ref = float(torch.tensor(ref_nll / res.num_scored).exp())
@@ -125,6 +145,7 @@ class Evaluator:
             rel_delta_ppl=round(res.ppl / ppl_ref - 1, 5),
             attn_rel_err=round(session.stats.rel_error(), 5),
             num_windows=num_windows,
+            first_window=first_window,
             num_scored=res.num_scored,
             needle_ctx=n_ctx if rate is not None else 0,
             needle_trials=needle_trials if rate is not None else 0,
