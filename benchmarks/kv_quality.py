@@ -65,6 +65,18 @@ ROWS: list[Row] = [
     ),
     Row("FP2 sig. lattice, absmax, c64 e4m3, rotation, 4 sinks + 32 tail", "fp2:levels=sig,rule=absmax"),
     Row("FP2 sig. lattice, MSE scale search (best rule), c64, rotation, 4 + 32", "fp2:levels=sig"),
+    # the first calibration's recipe, step by step (shared/notes/kv-calibration.md): bf16 scales, c32
+    Row(
+        "note: sig. lattice, c32, MSE scale search, no rotation, no sinks / tail",
+        "fp2:levels=sig,rot=0,blk=c32,scale=bf16,sinks=0,tail=1",
+    ),
+    Row("note: + Hadamard rotation", "fp2:levels=sig,blk=c32,scale=bf16,sinks=0,tail=1"),
+    Row(
+        "note: + 4 sinks and 32 recent tokens in bf16",
+        "fp2:levels=sig,blk=c32,scale=bf16,sinks=4,tail=1,window=32",
+    ),
+    Row("note: + Lloyd-Max levels (the note's best)", "fp2:blk=c32,scale=bf16,sinks=4,tail=1,window=32"),
+    Row("note: best with E8M0 scales", "fp2:blk=c32,scale=e8m0,sinks=4,tail=1,window=32"),
     # FP2, other levels and options (bare `fp2`: Lloyd-Max levels, MSE rule, c64 e4m3, rotation, 4 + 32)
     Row("FP2 Lloyd-Max levels (bare `fp2`: calibration-free, what the kernels read)", "fp2", (2048, 8192)),
     Row("FP2 calibrated levels (per layer and side)", "fp2:levels=cal"),
