@@ -101,6 +101,9 @@ ROWS: list[Row] = [
         "fp2:fb=1,tail=1,window=47",
         (2048, 8192),
     ),
+    Row("FP2 default with the signature lattice", "fp2:fb=1,tail=1,window=47,levels=sig"),
+    Row("FP2 default, K error feedback only", "fp2:kfb=1,tail=1,window=47"),
+    Row("FP2 default + pre-RoPE K centered (harness only)", "fp2:kprerope=1,kcenter=1,fb=1,tail=1,window=47"),
     # the bits / quality frontier: larger bf16 windows
     Row("FP2 default with window 79", "fp2:fb=1,tail=1,window=79"),
     Row("FP2 default with window 111", "fp2:fb=1,tail=1,window=111"),
