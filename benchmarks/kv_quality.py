@@ -65,8 +65,20 @@ ROWS: list[Row] = [
     ),
     Row("FP2 sig. lattice, absmax, c64 e4m3, rotation, 4 sinks + 32 tail", "fp2:levels=sig,rule=absmax"),
     Row("FP2 sig. lattice, MSE scale search (best rule), c64, rotation, 4 + 32", "fp2:levels=sig"),
+    # the first calibration's recipe, step by step (shared/notes/kv-calibration.md): bf16 scales, c32
+    Row(
+        "note: sig. lattice, c32, MSE scale search, no rotation, no sinks / tail",
+        "fp2:levels=sig,rot=0,blk=c32,scale=bf16,sinks=0,tail=1",
+    ),
+    Row("note: + Hadamard rotation", "fp2:levels=sig,blk=c32,scale=bf16,sinks=0,tail=1"),
+    Row(
+        "note: + 4 sinks and 32 recent tokens in bf16",
+        "fp2:levels=sig,blk=c32,scale=bf16,sinks=4,tail=1,window=32",
+    ),
+    Row("note: + Lloyd-Max levels (the note's best)", "fp2:blk=c32,scale=bf16,sinks=4,tail=1,window=32"),
+    Row("note: best with E8M0 scales", "fp2:blk=c32,scale=e8m0,sinks=4,tail=1,window=32"),
     # FP2, other levels and options (bare `fp2`: Lloyd-Max levels, MSE rule, c64 e4m3, rotation, 4 + 32)
-    Row("FP2 Lloyd-Max levels (bare `fp2`: calibration-free, what the kernels read)", "fp2"),
+    Row("FP2 Lloyd-Max levels (bare `fp2`: calibration-free, what the kernels read)", "fp2", (2048, 8192)),
     Row("FP2 calibrated levels (per layer and side)", "fp2:levels=cal"),
     Row("FP2 without rotation", "fp2:rot=0"),
     Row("FP2 RMS scale rule", "fp2:rule=rms"),
@@ -84,6 +96,17 @@ ROWS: list[Row] = [
     Row("FP2, window 32 + flush 16 (calibration-free)", "fp2:tail=16,window=32"),
     Row("FP2, K error feedback, window 32 + flush 16", "fp2:kfb=1,tail=16,window=32"),
     Row("FP2, K error feedback, window 40 + flush 8", "fp2:kfb=1,tail=8,window=40"),
+    Row(
+        "**FP2 default**: K and V error feedback, window 47 + flush 1",
+        "fp2:fb=1,tail=1,window=47",
+        (2048, 8192),
+    ),
+    Row("FP2 default with the signature lattice", "fp2:fb=1,tail=1,window=47,levels=sig"),
+    Row("FP2 default, K error feedback only", "fp2:kfb=1,tail=1,window=47"),
+    Row("FP2 default + pre-RoPE K centered (harness only)", "fp2:kprerope=1,kcenter=1,fb=1,tail=1,window=47"),
+    # the bits / quality frontier: larger bf16 windows
+    Row("FP2 default with window 79", "fp2:fb=1,tail=1,window=79"),
+    Row("FP2 default with window 111", "fp2:fb=1,tail=1,window=111"),
 ]
 
 
@@ -208,7 +231,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--needle-ctx", type=int, default=8192, help="passkey length, run with the longest ctx")
     p.add_argument("--needle-trials", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", action="append", default=[], metavar="KV", help="restrict to these --kv specs (repeat)")
+    p.add_argument(
+        "--only", action="append", default=[], metavar="KV", help="restrict to these --kv specs (repeat)"
+    )
     p.add_argument("--fresh", action="store_true", help="measure again rows already stored")
     p.add_argument("--render-only", action="store_true", help="only rewrite docs/kv-quality.md")
 
