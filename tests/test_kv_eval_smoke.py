@@ -48,13 +48,11 @@ def test_eval_kv_on_a_plain_hf_directory(tmp_path, capsys: pytest.CaptureFixture
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from zerodram.runtime.kv_eval.model import _cache_dir
+    from zerodram.runtime.kv_eval.model import _cache_dir, load_model
 
     torch.manual_seed(0)
-    tok_dir = _cache_dir(*resolve("smollm2"))  # written by the first eval-kv run
-    if not (tok_dir / "tokenizer_config.json").exists():
-        pytest.skip("SmolLM2's converted tokenizer is not cached yet")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    load_model("smollm2")  # converts the GGUF once if no earlier test did
+    tok = AutoTokenizer.from_pretrained(_cache_dir(*resolve("smollm2")))
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,

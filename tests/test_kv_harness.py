@@ -175,18 +175,13 @@ def test_page_pool_exhaustion_is_exact_and_atomic(num_pages: int, chunks: list[i
     st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.float64]),
 )
 def test_wrong_shapes_and_dtypes_name_the_expected(fmt: str, shape: list[int], dtype: torch.dtype) -> None:
+    """Never [T, 2, 64]: every such append raises, names what was expected, and writes nothing."""
     cache = make_kv_cache(fmt, num_pages=2, page_size=64, num_kv_heads=H, head_dim=D)
     sid = cache.new_sequence()
     x = torch.zeros(shape, dtype=dtype)
-    good_shape = len(shape) == 3 and shape[1:] == [H, D]
-    good_dtype = dtype in (torch.float32, torch.bfloat16)
-    if good_shape and good_dtype:
-        cache.append(sid, x, x)
-        return
     with pytest.raises(KVInputError, match=r"\[T, 2, 64\]|fp32, bf16 or fp16"):
         cache.append(sid, x, x)
     assert cache.seq_len(sid) == 0
-
 
 @FAST
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["lm", "sig"]))
