@@ -27,8 +27,9 @@ for step in $steps; do
     attention) timeout ${T_ATTN:-240} python3 benchmarks/attention.py --json ${ATTN_ARGS:-} 2>&1 | tee "$out/attention.log" | grep -v '^{' ;;
     profile) timeout 100 ncu --target-processes all -k regex:attn_fp2_decode -c 1 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+               --section WarpStateStats --section SchedulerStats --section InstructionStats \
                python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
-               >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue" "$out/ncu-attention.txt" | head -30 ;;
+               >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue|Stall|Warp Cycles|Eligible" "$out/ncu-attention.txt" | head -40 ;;
     dispatch) timeout 300 python3 benchmarks/dispatch.py --iters 10 --json 2>&1 | tee "$out/dispatch.log" | grep -v '^{' | tail -30 ;;
     dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-240} torchrun --nproc-per-node 4 --master-port 29511 \
                benchmarks/dispatch.py --paths nvshmem --tokens 1,128 --iters 5 --warmup 2 --json 2>&1 \

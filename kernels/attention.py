@@ -35,6 +35,7 @@ class Fp2KernelConfig:
     num_warps: int = 4
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
+    score_chains: int = 1  # independent MMA accumulator chains per score tile (1 or 2)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -46,6 +47,7 @@ class Fp2KernelConfig:
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
+            "SCORE_CHAINS": self.score_chains,
         }
 
     def build_options(self, kernel: str) -> BuildOptions:
@@ -152,13 +154,17 @@ class Fp2Kernels:
     ) -> None:
         B, Hkv, S = q.shape[0], hp_k.shape[1], o_part.shape[2]
         hp_max = hp_k.shape[2]
-        smem = 4 * (self.cfg.group * (S + hp_max) + self.cfg.group * self.cfg.head_dim + self.cfg.group)
+        floats = self.cfg.group * (S + hp_max) + self.cfg.group * self.cfg.head_dim + self.cfg.group
+        smem = 4 * ((floats + 3) & ~3) + 2 * hp_max * self.cfg.head_dim  # + the staged bf16 keys
+        if smem > 48 * 1024:
+            raise ValueError(f"merge needs {smem} B of shared memory (splits {S}, bf16 tokens {hp_max}): over 48 KB")
         args = (
             ptr(o_part), ptr(ml_part), ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(S),
             ptr(q), ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot),
             np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)), np.int32(hp_max), ptr(out),
         )  # fmt: skip
-        launch(self._merge, grid=(Hkv, B), block=(128,), args=args, shared_mem=smem)
+        grid = (Hkv, B, self.cfg.head_dim // 32)  # 32 output channels per CTA (attn_fp2_merge.cu)
+        launch(self._merge, grid=grid, block=(128,), args=args, shared_mem=smem)
 
     def write(
         self,

@@ -47,6 +47,9 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef SCORE_CHAINS
+#define SCORE_CHAINS 1  // independent MMA accumulator chains of a score tile (1 or 2)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -139,10 +142,21 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         }
       }
     }
+    // SCORE_CHAINS independent accumulators over the k-steps, summed at the end: a chain of NKS
+    // dependent MMAs is NKS MMA latencies long; two chains halve that for 4 more registers.
+    float part[SCORE_CHAINS][4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) sacc[i][c] = 0.f;
+    for (int h = 0; h < SCORE_CHAINS; ++h)
 #pragma unroll
-    for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], qf[ks][0], qf[ks][1]);
+      for (int c = 0; c < 4; ++c) part[h][c] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks) mma_f16(part[ks % SCORE_CHAINS], a[ks], qf[ks][0], qf[ks][1]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      sacc[i][c] = part[0][c];
+#pragma unroll
+      for (int h = 1; h < SCORE_CHAINS; ++h) sacc[i][c] += part[h][c];
+    }
     if constexpr (PARTIAL) {
       const int tok0 = 16 * i + tok_of_pos8(g);
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
@@ -151,19 +165,26 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   }
 
   // ---- online softmax (per head: lanes with equal t hold the same two heads) --------------------
+  // Lazy rescaling: the running max m only has to bound the scores well enough that 2^(s - m)
+  // stays small in fp16 (P) and fp32 (sums), not to be the exact max. While no score of the stage
+  // exceeds m + kRescaleSlack (one vote, no shuffles), m is kept and nothing is rescaled; the
+  // exact max over the warp (a 3-level shuffle chain, the longest dependency of a stage) is taken
+  // only when some score does, which after the first stages is rare. P <= 2^8 fits fp16 easily.
+  constexpr float kRescaleSlack = 8.f;
   float mx[2] = {sm.m[0], sm.m[1]};
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     mx[0] = fmaxf(mx[0], fmaxf(sacc[i][0], sacc[i][2]));
     mx[1] = fmaxf(mx[1], fmaxf(sacc[i][1], sacc[i][3]));
   }
+  // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
+  // from then on.
+  if (__any_sync(0xffffffffu, mx[0] > sm.m[0] + kRescaleSlack || mx[1] > sm.m[1] + kRescaleSlack)) {
 #pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
-    mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
-  }
-  // A stage always holds a valid token, so mx is finite from here on.
-  if (__any_sync(0xffffffffu, mx[0] > sm.m[0] || mx[1] > sm.m[1])) {
+    for (int off = 4; off < 32; off <<= 1) {
+      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
+      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
+    }
     const float al0 = ex2(sm.m[0] - mx[0]), al1 = ex2(sm.m[1] - mx[1]);  // 0 on the first stage
     sm.l[0] *= al0;
     sm.l[1] *= al1;
@@ -300,16 +321,32 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
+  // Page ids of the warp's stages, prefetched 32 stages at a time: lane l of `pages_cur` holds the
+  // page of the warp's local stage 32c + l (chunk c), `pages_next` those of chunk c + 1. Reading
+  // the block table right before each cp.async would stall the warp on a dependent global load
+  // (an L2 round trip) every stage; a shuffle from a register loaded a chunk ahead does not.
   const int32_t* bt = block_table + size_t(b) * bt_stride;
-  auto issue = [&](int stage_idx, int slot) {
+  auto load_pages = [&](int chunk) -> int {
+    const int si = warp + (32 * chunk + lane) * NUM_WARPS;
+    return si < num_stages ? bt[(r_lo + si * TOK) / page_size] : 0;
+  };
+  int pages_cur = load_pages(0), pages_next = load_pages(1);
+  // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
+  // Called by the whole warp with the same j, in increasing order (the page chunks advance here).
+  auto issue = [&](int j, int slot) {
+    if (j > 0 && (j & 31) == 0) {
+      pages_cur = pages_next;
+      pages_next = load_pages((j >> 5) + 1);
+    }
+    const long long page = __shfl_sync(0xffffffffu, pages_cur, j & 31);
+    const int stage_idx = warp + j * NUM_WARPS;
     if (stage_idx < num_stages) {
       const int f = r_lo + stage_idx * TOK;  // first token of the stage
-      const long long page = bt[f / page_size];
-      const int j = f % page_size;
-      const long long coff = page * code_page_stride + kvh * code_head_stride + (long long)j * WPR;
+      const int pos = f % page_size;  // slot of the stage's first token in its page
+      const long long coff = page * code_page_stride + kvh * code_head_stride + (long long)pos * WPR;
       load_stage(ring + slot, lane, k_codes + coff, v_codes + coff,
-                 k_scales + page * ks_page_stride + kvh * ks_head_stride + (long long)j * NBK,
-                 v_scales + page * vs_page_stride + kvh * vs_head_stride + (long long)j * NBV);
+                 k_scales + page * ks_page_stride + kvh * ks_head_stride + (long long)pos * NBK,
+                 v_scales + page * vs_page_stride + kvh * vs_head_stride + (long long)pos * NBV);
     }
     cp_async_commit();  // empty groups keep the wait count uniform
   };
@@ -323,12 +360,13 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
   // Warp w handles stages w, w + NUM_WARPS, ...; its k-th stage sits in ring slot k % STAGES.
 #pragma unroll
-  for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NUM_WARPS, k);
+  static_assert(STAGES <= 32, "the prologue stays inside the first page chunk");
+  for (int k = 0; k < STAGES - 1; ++k) issue(k, k);
   int k = 0;
   for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {
     cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
     __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
-    issue(si + (STAGES - 1) * NUM_WARPS, (k + STAGES - 1) % STAGES);
+    issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
     const Stage* st = ring + k % STAGES;
     const int f0 = r_lo + si * TOK;
     if (f0 >= lo && f0 + TOK <= r_hi) {

@@ -5,7 +5,8 @@
 // Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv (<= 8), D head dim, S splits
 // (max_splits slots, the first n_splits(b) of them written), HP bf16 tokens per sequence (<= hp_max).
 //
-// grid (Hkv, B), 128 threads. Everything here is in the stored (rotated, anchor-divided) space of
+// grid (Hkv, B, D / 32), 128 threads; CTA z writes output channels [32 z, 32 z + 32) (the logits and
+// weights, cheap, are computed by each of them). Everything here is in the stored (rotated, anchor-divided) space of
 // the cache and log2 units: q was multiplied by softmax_scale * log2(e) once, for both passes.
 #include <cuda_bf16.h>
 
@@ -21,6 +22,8 @@
 namespace {
 constexpr int D = HEAD_DIM;
 constexpr int kThreads = 128;
+constexpr int kChanPerCta = 32;  // output channels per CTA (grid.z = D / kChanPerCta)
+static_assert(GROUP * (kChanPerCta / 4) * 8 % 32 == 0, "whole warps per pass: the shuffles need all lanes");
 constexpr int TOK = 32;  // stage size of attn_fp2_decode: split boundaries are counted the same way
 }  // namespace
 
@@ -30,7 +33,7 @@ constexpr int TOK = 32;  // stage size of attn_fp2_decode: split boundaries are 
 // hp_k / hp_v: bf16, token j of seq b, kv head h at + hp_slot[b] * hp_b_stride + h * hp_h_stride + j * D
 // hp_len [B]: bf16 tokens of each sequence (rows 0..hp_len-1, <= hp_max); hp_slot [B]: its row
 // out [B, Hq, D] fp32, normalised
-// shared memory: (G * (max_splits + hp_max) + G * D + G) floats
+// shared memory: (G * (max_splits + hp_max) + G * D + G) floats rounded up to 4, then hp_max * D bf16
 extern "C" __global__ void __launch_bounds__(kThreads)
     attn_fp2_merge(const float* __restrict__ o_part, const float* __restrict__ ml_part,
                    const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
@@ -47,29 +50,35 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   float* wts = smem;                       // [G, max_splits + hp_max]: split then hp logits -> weights
   float* qs = wts + GROUP * width;         // [G, D]
   float* inv_l = qs + GROUP * D;           // [G]
+  // [hp_max, D / 2] bf16 pairs, 16-byte aligned after the floats
+  __nv_bfloat162* k_rows = reinterpret_cast<__nv_bfloat162*>(smem + ((GROUP * (width + D + 1) + 3) & ~3));
 
   for (int i = threadIdx.x; i < GROUP * D; i += kThreads)
     qs[i] = __half2float(q[(size_t(b) * num_q_heads + kvh * GROUP) * D + i]);
   __syncthreads();
 
-  // Logits of the bf16 tokens: one warp per (head, token), lanes over channels, so that a key row
-  // is one coalesced read and a warp has several rows in flight (a thread per row would walk its
-  // row with one dependent global load per step: tens of microseconds at HP = 36).
+  // Logits of the bf16 tokens. Their keys (rows of one slot and head: contiguous) are first staged
+  // in shared memory with every 16-byte load in flight at once: walked from global memory, the rows
+  // cost one round trip each (tens of microseconds at B = 1, where this kernel has few CTAs). Then
+  // a thread per (head, token) walks the channel pairs starting at its token's skew, so that the
+  // lanes of a warp read 32 distinct banks.
   const long long slot = hp_slot[b];
-  const __nv_bfloat16* kb = hp_k + slot * hp_b_stride + kvh * hp_h_stride;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = warp; i < GROUP * n_hp; i += kThreads / 32) {
+  const __nv_bfloat16* kb = hp_k + slot * hp_b_stride + kvh * hp_h_stride;
+  for (int i = threadIdx.x; i < n_hp * D / 8; i += kThreads)
+    reinterpret_cast<uint4*>(k_rows)[i] = __ldg(reinterpret_cast<const uint4*>(kb) + i);
+  __syncthreads();
+  for (int i = threadIdx.x; i < GROUP * n_hp; i += kThreads) {
     const int h = i / n_hp, j = i % n_hp;
-    const __nv_bfloat162* krow = reinterpret_cast<const __nv_bfloat162*>(kb + size_t(j) * D);
     float acc = 0.f;
-#pragma unroll
-    for (int c = lane; c < D / 2; c += 32) {
-      const float2 kv = __bfloat1622float2(krow[c]);
-      acc = fmaf(qs[h * D + 2 * c], kv.x, fmaf(qs[h * D + 2 * c + 1], kv.y, acc));
+#pragma unroll 8
+    for (int c = 0; c < D / 2; ++c) {
+      const int cc = (c + j) & (D / 2 - 1);
+      const float2 kv = __bfloat1622float2(k_rows[j * (D / 2) + cc]);
+      const float2 qv = *reinterpret_cast<const float2*>(qs + h * D + 2 * cc);
+      acc = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, acc));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) wts[h * width + max_splits + j] = acc;
+    wts[h * width + max_splits + j] = acc;
   }
   __syncthreads();
 
@@ -99,18 +108,43 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
+  // The weighted sum over splits and bf16 tokens, this CTA's channels [c0, c0 + kChanPerCta) only.
+  // Reading the partials is the kernel's bulk (at B = 1, L = 128k: 32 heads x 66 splits x D fp32, 1
+  // MB) and a latency problem, not a bandwidth one: with few CTAs, what limits it is the bytes in
+  // flight. So the grid also spans channel chunks, each thread reads float4s, and the 8 lanes of
+  // an item walk interleaved splits (8 x 4 independent loads per item), reduced by shuffles.
   const __nv_bfloat16* vb = hp_v + slot * hp_b_stride + kvh * hp_h_stride;
-  for (int i = threadIdx.x; i < GROUP * D; i += kThreads) {
-    const int h = i / D, c = i % D;
+  const int c0 = blockIdx.z * kChanPerCta;
+  constexpr int kGroups = kChanPerCta / 4;  // float4 channel groups per head
+  for (int i = threadIdx.x; i < GROUP * kGroups * 8; i += kThreads) {
+    const int sl = i & 7, grp = (i >> 3) % kGroups, h = (i >> 3) / kGroups;  // sl == lane & 7
+    const int c = c0 + 4 * grp;
     const size_t row = (size_t(b) * num_q_heads + kvh * GROUP + h) * max_splits;
-    float o = 0.f;
-    // Unrolled so that several splits' loads are in flight at once: at B = 1 this kernel has only
-    // Hkv CTAs and a serial chain of dependent loads would dominate the whole attention.
-#pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) o = fmaf(wts[h * width + s], o_part[(row + s) * D + c], o);
-#pragma unroll 8
-    for (int j = 0; j < n_hp; ++j)
-      o = fmaf(wts[h * width + max_splits + j], __bfloat162float(vb[size_t(j) * D + c]), o);
-    out[(size_t(b) * num_q_heads + kvh * GROUP + h) * D + c] = o * inv_l[h];
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = sl; s < n_splits; s += 8) {
+      const float w = wts[h * width + s];
+      const float4 p = *reinterpret_cast<const float4*>(o_part + (row + s) * D + c);
+      o.x = fmaf(w, p.x, o.x), o.y = fmaf(w, p.y, o.y), o.z = fmaf(w, p.z, o.z), o.w = fmaf(w, p.w, o.w);
+    }
+#pragma unroll 4
+    for (int j = sl; j < n_hp; j += 8) {
+      const float w = wts[h * width + max_splits + j];
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(vb + size_t(j) * D + c);
+      const float2 a = __bfloat1622float2(v2[0]), z = __bfloat1622float2(v2[1]);
+      o.x = fmaf(w, a.x, o.x), o.y = fmaf(w, a.y, o.y), o.z = fmaf(w, z.x, o.z), o.w = fmaf(w, z.y, o.w);
+    }
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) {
+      o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
+      o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
+      o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
+      o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+    }
+    if (sl == 0) {
+      const float il = inv_l[h];
+      *reinterpret_cast<float4*>(out + (size_t(b) * num_q_heads + kvh * GROUP + h) * D + c) =
+          make_float4(o.x * il, o.y * il, o.z * il, o.w * il);
+    }
   }
 }
