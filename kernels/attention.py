@@ -35,7 +35,6 @@ class Fp2KernelConfig:
     num_warps: int = 4
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
-    score_chains: int = 1  # independent MMA accumulator chains per score tile (1 or 2)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -47,7 +46,6 @@ class Fp2KernelConfig:
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
-            "SCORE_CHAINS": self.score_chains,
         }
 
     def build_options(self, kernel: str) -> BuildOptions:

@@ -168,7 +168,6 @@ class Fp2DecodeAttention:
         num_warps: int = 4,
         stages: int = 4,
         min_blocks: int = 1,
-        score_chains: int = 1,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -200,8 +199,7 @@ class Fp2DecodeAttention:
 
             self.kernels = Fp2Kernels(
                 Fp2KernelConfig(
-                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks,
-                    score_chains,
+                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks
                 )
             )
             self.kernels.load()

@@ -47,9 +47,6 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
-#ifndef SCORE_CHAINS
-#define SCORE_CHAINS 1  // independent MMA accumulator chains of a score tile (1 or 2)
-#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -142,21 +139,10 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         }
       }
     }
-    // SCORE_CHAINS independent accumulators over the k-steps, summed at the end: a chain of NKS
-    // dependent MMAs is NKS MMA latencies long; two chains halve that for 4 more registers.
-    float part[SCORE_CHAINS][4];
 #pragma unroll
-    for (int h = 0; h < SCORE_CHAINS; ++h)
+    for (int c = 0; c < 4; ++c) sacc[i][c] = 0.f;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) part[h][c] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < NKS; ++ks) mma_f16(part[ks % SCORE_CHAINS], a[ks], qf[ks][0], qf[ks][1]);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      sacc[i][c] = part[0][c];
-#pragma unroll
-      for (int h = 1; h < SCORE_CHAINS; ++h) sacc[i][c] += part[h][c];
-    }
+    for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], qf[ks][0], qf[ks][1]);
     if constexpr (PARTIAL) {
       const int tok0 = 16 * i + tok_of_pos8(g);
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
