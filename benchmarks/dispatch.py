@@ -29,13 +29,11 @@ timeout; each rank reports the wait that expired, and a host-side watchdog ends 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import itertools
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from zerodram.launch.watchdog import StageWatchdog
     from zerodram.runtime.context import RankContext
 
 
@@ -108,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device-timeout",
         type=float,
         default=None,
-        help="bound on each device-side wait, s (default 10; 120 with PEs sharing a GPU)",
+        help="bound on each device-side wait, s (default 10; 60 with PEs sharing a GPU)",
     )
 
 
@@ -119,11 +118,12 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerodram.launch.watchdog import StageWatchdog
     from zerodram.runtime.errors import ConfigError, RankTimeoutError
 
     ctx, own = _context()
     say = _Say(ctx.rank)
-    dog = _Watchdog(ctx.rank, ctx.world_size)
+    dog = StageWatchdog(f"rank {ctx.rank}/{ctx.world_size}")
     try:
         gpu, shared = ctx.device.type == "cuda", _shares_gpu(ctx)
         grid = CPU_GRID if args.quick or not gpu else SHARED_GPU_GRID if shared else GPU_GRID
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if not gpu and "nvshmem" in paths:
             raise ConfigError(f"the NVSHMEM path needs a GPU; rank {ctx.rank} runs on {ctx.device}")
         wires = tuple(w for w in args.wires.split(",") if w)
-        timeout_s = args.device_timeout or (120.0 if shared else 10.0)
+        timeout_s = args.device_timeout or (60.0 if shared else 10.0)
         say(
             f"{ctx.world_size} rank(s) on {ctx.device}, paths {','.join(paths)}, device wait bound {timeout_s:g}s"
         )
@@ -213,37 +213,6 @@ class _Say:
             print(f"[bench dispatch {time.monotonic() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-class _Watchdog:
-    """Bounds each stage of the run on the host. A stage past its limit (a peer that never joins a
-    host collective such as NVSHMEM init or barrier_all, which have no timeout of their own) makes
-    this rank print where it was and every thread's stack, then exit: torchrun stops the rest."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
-        self._what, self._deadline, self._limit = "start", float("inf"), 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="bench-watchdog", daemon=True)
-        self._thread.start()
-
-    def stage(self, what: str, limit_s: float) -> None:
-        self._what, self._limit, self._deadline = what, limit_s, time.monotonic() + limit_s
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.5):
-            if time.monotonic() > self._deadline:
-                print(
-                    f"rank {self.rank}/{self.world_size}: no progress for {self._limit:g}s in {self._what}; "
-                    "stacks follow, then exit",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                os._exit(4)
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 class _Clock:
     """Event pairs on a GPU (the device idle before the start), perf_counter on CPU; microseconds."""
 
@@ -291,7 +260,7 @@ class _Bench:
         timeout_s: float,
         shared: bool,
         say: _Say,
-        dog: _Watchdog,
+        dog: StageWatchdog,
     ) -> None:
         self.ctx, self.grid, self.paths, self.wires, self.args = ctx, grid, paths, wires, args
         self.timeout_s, self.shared, self.say, self.dog = timeout_s, shared, say, dog
