@@ -222,12 +222,16 @@ class _Clock:
         self.cuda = dev.type == "cuda"
         self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev) if flush and self.cuda else None
 
+    def evict(self) -> None:
+        """Enqueue an L2 flush (a no-op on CPU or when flushing is off)."""
+        if self._flush is not None:
+            self._flush.zero_()
+
     def flush(self) -> None:
         """Evict the L2, and let the device go idle, before a timed call."""
         import torch
 
-        if self._flush is not None:
-            self._flush.zero_()
+        self.evict()
         if self.cuda:
             torch.cuda.synchronize()
 
@@ -370,12 +374,14 @@ class _Bench:
             clock.flush()
             a = clock.mark()
             out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
-            b = clock.mark()
+            d = clock.between(a, clock.mark())
+            clock.flush()  # idle again: the combine's launches may not hide behind the dispatch
+            a = clock.mark()
             comm.combine(out.recv_x, out)
-            c = clock.mark()
+            c = clock.between(a, clock.mark())
             if i >= self.args.warmup:
-                d_times.append(clock.between(a, b))
-                c_times.append(clock.between(b, c))
+                d_times.append(d)
+                c_times.append(c)
         return statistics.median(d_times), statistics.median(c_times)
 
     def _graph(
@@ -403,8 +409,7 @@ class _Bench:
         s1.record()
         t0 = time.perf_counter()
         for i in range(n):
-            if self.clock._flush is not None:
-                self.clock._flush.zero_()
+            self.clock.evict()
             ev[i][0].record()
             g_dispatch.replay()
             ev[i][1].record()

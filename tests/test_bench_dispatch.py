@@ -88,3 +88,21 @@ def test_stage_watchdog_ends_a_stuck_stage() -> None:
     assert out.returncode == 4
     assert "rank 1/2: no progress for 0.2s in barrier after case 3" in out.stderr
     assert "time.sleep" in out.stderr or "line 1" in out.stderr  # the stuck thread's stack
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_bench_dispatch_graph_and_eager_on_one_gpu() -> None:
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "dispatch.py"), "--json", "--iters", "3", "--warmup", "1",
+        "--tokens", "1,32", "--hidden", "4096", "--experts", "32", "--topk", "2", "--wires", "bf16",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(out.stdout)
+    assert {(r["path"], r["tokens"]) for r in rows} == {(p, t) for p in ("nvshmem", "torch") for t in (1, 32)}
+    for r in rows:
+        if r["path"] == "nvshmem":
+            assert r["dispatch_graph_us"] > 0 and r["combine_graph_us"] > 0, r
+        else:
+            assert r["dispatch_graph_us"] is None and set(r["host_stages_us"]) == STAGES
