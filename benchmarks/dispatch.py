@@ -3,16 +3,27 @@
 Shape legend: T tokens per rank, D hidden, E experts, K top-k.
 
 Both paths run in the same process on the same inputs (uniform random routing, identity experts:
-combine sends the received rows back). GPU: CUDA events, warm-up, median of `--iters`; CPU:
-perf_counter, host-driven only, a tiny grid. Beside every figure: bytes this rank moves and the
-physical floor = bytes / link bandwidth (the topology's slowest peer link; for one rank, the
-measured device copy bandwidth, since every row is then a local copy). One JSON line per case.
+the combine sends the received rows back). Per case, GPU, with warm-up, an L2 flush before every
+timed iteration, and medians of `--iters`:
 
-Runs as one rank by itself, or under torchrun as a collective: every rank runs every case, rank 0
-prints. Several PEs on one GPU (correctness of the multi-rank path, not its speed: the processes
-time-slice the GPU):
+    graph   (NVSHMEM) dispatch captured in one CUDA graph, combine in another; replays alternate in
+            the protocol's order, CUDA events around each, all enqueued behind a sleep kernel so
+            the GPU never waits for the host: device time. `graph_host_bound` says if the host fell
+            behind anyway (then the figure includes host gaps).
+    eager   one call from Python, events around it, the device idle before it: what a caller
+            without a graph pays, host launches included. The host-driven path syncs the host
+            inside dispatch, so eager is all it has; `host_stages_us` splits one of its calls.
 
-    ZERODRAM_TOPOLOGY=h200-1x4pe torchrun --nproc-per-node 4 benchmarks/dispatch.py --paths nvshmem
+CPU: perf_counter, host-driven only, a tiny grid (a smoke run). Beside every figure: bytes this
+rank moves and the floor = bytes / link bandwidth (the topology's slowest peer link; for one rank
+the measured device copy bandwidth, since every row is then a local copy). One JSON line per case.
+
+Runs as one rank by itself, or under torchrun as a collective (every rank runs every case, rank 0
+prints). Several PEs on one GPU time-slice it, so their figures are no speed figures: that run
+checks that the multi-rank path runs and stays live, on a small grid, with a generous device
+timeout; each rank reports the wait that expired, and a host-side watchdog ends a stuck rank:
+
+    ZERODRAM_TOPOLOGY=h200-1x4pe torchrun --nproc-per-node 4 benchmarks/dispatch.py --json
 """
 
 from __future__ import annotations
@@ -20,17 +31,34 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-GPU_GRID = {"tokens": (1, 8, 32, 128, 512), "hidden": (4096, 7168), "experts": (32, 256), "topk": (2, 8)}
-CPU_GRID = {"tokens": (1, 8, 32), "hidden": (256,), "experts": (8,), "topk": (2,)}
-WIRES = ("bf16", "fp8")
+    from zerodram.launch.watchdog import StageWatchdog
+    from zerodram.runtime.context import RankContext
+
+
+@dataclass(frozen=True)
+class Grid:
+    tokens: tuple[int, ...]
+    hidden: tuple[int, ...]
+    experts: tuple[int, ...]
+    topk: tuple[int, ...]
+
+
+GPU_GRID = Grid(tokens=(1, 8, 32, 128, 512), hidden=(4096, 7168), experts=(32, 256), topk=(2, 8))
+SHARED_GPU_GRID = Grid(tokens=(1, 128), hidden=(7168,), experts=(256,), topk=(8,))  # the decode anchor
+CPU_GRID = Grid(tokens=(1, 8, 32), hidden=(256,), experts=(8,), topk=(2,))
+SHARED_NOTE = "PEs share one GPU: correctness/liveness run, not a speed figure"
+SLEEP_CYCLES = 10_000_000  # ~5 ms at H200 clocks: far longer than enqueuing one case's replays
+FLUSH_BYTES = 256 << 20  # > H200's L2 (50 MB)
 
 
 @dataclass(frozen=True)
@@ -42,53 +70,109 @@ class CaseResult:
     experts: int
     topk: int
     world_size: int
-    dispatch_us: float
-    combine_us: float
+    dispatch_graph_us: float | None  # CUDA-graph replay, device time (NVSHMEM only)
+    combine_graph_us: float | None
+    dispatch_eager_us: float  # one call from Python, host launch included
+    combine_eager_us: float
+    graph_host_bound: bool | None  # the host enqueued slower than the device ran: graph figure has gaps
+    host_stages_us: dict[str, float] | None  # host path: one call split by stage
     dispatch_bytes: int
     combine_bytes: int
     dispatch_floor_us: float
     combine_floor_us: float
     floor_basis: str
+    iters: int
+    warmup: int
+    shared_gpu: bool
+    note: str
     device: str
     date: str
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print only the JSON lines (one per case)")
+    p.add_argument(
+        "--json", action="store_true", help="stdout: only the JSON lines (the summary goes to stderr)"
+    )
     p.add_argument("--quick", action="store_true", help="the CPU grid even on a GPU (smoke run)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per case (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per case")
     p.add_argument("--paths", default="auto", help="comma list of nvshmem,torch (auto: both where possible)")
     p.add_argument("--tokens", default=None, help="override the tokens-per-rank list, e.g. 1,128")
+    p.add_argument("--hidden", default=None, help="override the hidden sizes, e.g. 7168")
+    p.add_argument("--experts", default=None, help="override the expert counts, e.g. 256")
+    p.add_argument("--topk", default=None, help="override the top-k list, e.g. 8")
     p.add_argument("--wires", default="bf16,fp8", help="wire formats to run")
+    p.add_argument("--no-flush", action="store_true", help="no L2 flush between timed iterations")
+    p.add_argument(
+        "--device-timeout",
+        type=float,
+        default=None,
+        help="bound on each device-side wait, s (default 10; 60 with PEs sharing a GPU)",
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args())
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerodram.launch.watchdog import StageWatchdog
+    from zerodram.runtime.errors import ConfigError, RankTimeoutError
+
     ctx, own = _context()
+    say = _Say(ctx.rank)
+    dog = StageWatchdog(f"rank {ctx.rank}/{ctx.world_size}")
     try:
-        gpu = ctx.device.type == "cuda"
-        grid = dict(CPU_GRID if args.quick or not gpu else GPU_GRID)
-        if args.tokens:
-            grid["tokens"] = tuple(int(t) for t in args.tokens.split(","))
-        paths = ["nvshmem", "torch"] if gpu else ["torch"]
+        gpu, shared = ctx.device.type == "cuda", _shares_gpu(ctx)
+        grid = CPU_GRID if args.quick or not gpu else SHARED_GPU_GRID if shared else GPU_GRID
+        for name in ("tokens", "hidden", "experts", "topk"):
+            if getattr(args, name):
+                grid = replace(grid, **{name: tuple(int(v) for v in getattr(args, name).split(","))})
+        # NCCL refuses ranks sharing a GPU, and gloo cannot move CUDA tensors: no host path there
+        paths = ["nvshmem"] if shared else ["nvshmem", "torch"] if gpu else ["torch"]
         if args.paths != "auto":
             paths = [p for p in args.paths.split(",") if p]
+        if shared and "torch" in paths:
+            raise ConfigError(
+                "the host-driven path needs NCCL (a GPU per rank) or CPU ranks; PEs share a GPU"
+            )
+        if not gpu and "nvshmem" in paths:
+            raise ConfigError(f"the NVSHMEM path needs a GPU; rank {ctx.rank} runs on {ctx.device}")
         wires = tuple(w for w in args.wires.split(",") if w)
+        timeout_s = args.device_timeout or (60.0 if shared else 10.0)
+        say(
+            f"{ctx.world_size} rank(s) on {ctx.device}, paths {','.join(paths)}, device wait bound {timeout_s:g}s"
+        )
+        if shared:
+            say(SHARED_NOTE)
+        out = sys.stderr if args.json else sys.stdout
 
         def emit(r: CaseResult) -> None:  # JSON lines as cases finish: a cut-short run keeps them
             if ctx.rank == 0:
                 print(json.dumps(asdict(r)), flush=True)
 
-        results = _run_grid(ctx, grid, paths, wires, args.iters, args.warmup, emit)
-        if ctx.rank == 0 and not args.json:
-            _print_table(results)
+        bench = _Bench(ctx, grid, paths, wires, args, timeout_s, shared, say, dog)
+        try:
+            results = bench.run_all(emit)
+        except RankTimeoutError as err:
+            # Every rank names what it waited for. No collective teardown after this: it would
+            # wait on the silent peer forever; torchrun stops the others when this process ends.
+            print(f"rank {ctx.rank}/{ctx.world_size}: {bench.current}: {err}", file=sys.stderr, flush=True)
+            os._exit(3)
+        if ctx.rank == 0:
+            if not args.json:
+                _print_table(results, out)
+            _print_summary(results, out)
     finally:
+        dog.close()
         if own:
             ctx.close()
     return 0
 
 
-def _context() -> tuple[Any, bool]:
+def _context() -> tuple[RankContext, bool]:
     """The torchrun rank context, or a one-rank world of this process."""
     import torch
 
@@ -107,6 +191,268 @@ def _context() -> tuple[Any, bool]:
     return RankContext.single_process(), True
 
 
+def _shares_gpu(ctx: RankContext) -> bool:
+    """Whether other ranks compute on this rank's GPU (they time-slice it: no speed figures)."""
+    if ctx.device.type != "cuda" or ctx.world_size == 1:
+        return False
+    topo = ctx.topology
+    if topo is None:
+        return ctx.backend == "gloo"  # RankContext picks gloo for GPU ranks only when they share one
+    me = topo.rank_spec(ctx.rank)
+    return sum(r.node_idx == me.node_idx and r.gpu_idx == me.gpu_idx for r in topo.ranks) > 1
+
+
+class _Say:
+    """Rank 0's progress lines on stderr, with the time since start (stdout stays for results)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.t0 = rank, time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[bench dispatch {time.monotonic() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class _Clock:
+    """Event pairs on a GPU (the device idle before the start), perf_counter on CPU; microseconds."""
+
+    def __init__(self, dev: torch.device, flush: bool) -> None:
+        import torch
+
+        self.cuda = dev.type == "cuda"
+        self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev) if flush and self.cuda else None
+
+    def evict(self) -> None:
+        """Enqueue an L2 flush (a no-op on CPU or when flushing is off)."""
+        if self._flush is not None:
+            self._flush.zero_()
+
+    def flush(self) -> None:
+        """Evict the L2, and let the device go idle, before a timed call."""
+        import torch
+
+        self.evict()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def mark(self) -> Any:
+        import torch
+
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def between(self, a: Any, b: Any) -> float:
+        if not self.cuda:
+            return (b - a) * 1e6
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3
+
+
+class _Bench:
+    """The grid's cases on this rank; `current` names the one running (for error messages)."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        grid: Grid,
+        paths: list[str],
+        wires: tuple[str, ...],
+        args: argparse.Namespace,
+        timeout_s: float,
+        shared: bool,
+        say: _Say,
+        dog: StageWatchdog,
+    ) -> None:
+        self.ctx, self.grid, self.paths, self.wires, self.args = ctx, grid, paths, wires, args
+        self.timeout_s, self.shared, self.say, self.dog = timeout_s, shared, say, dog
+        self.current = "start"
+        self.case_limit_s = 2 * timeout_s + 60  # a case's waits are bounded by timeout_s on the device
+
+    def run_all(self, emit: Any) -> list[CaseResult]:
+        import torch
+
+        from zerodram.launch.progress import progress_bar
+        from zerodram.runtime.comm import EpLayout, ExpertPlacement
+        from zerodram.runtime.comm.nvshmem_comm import _heap_hint
+
+        ctx, g = self.ctx, self.grid
+        dev = ctx.device
+        self.copy_bw = _copy_bandwidth(dev)
+        self.link_bw, self.basis = _floor_basis(ctx, self.copy_bw)
+        self.clock = _Clock(dev, flush=not (self.args.no_flush or self.shared))
+        self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        configs = list(itertools.product(g.experts, g.hidden, g.topk, self.wires))
+        t_max = max(g.tokens)
+        session = None
+        if "nvshmem" in self.paths:
+            from zerodram.kernels.dispatch import DispatchKernels
+            from zerodram.runtime.comm.nvshmem_session import NvshmemSession
+
+            heap = max(
+                _heap_hint(EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, w))
+                for E, D, K, w in configs
+            )
+            self._enter("NVSHMEM init", 300)
+            session = NvshmemSession.create(ctx, heap_bytes=heap)
+            self.say(f"NVSHMEM up on {ctx.world_size} PE(s), heap {heap / 2**30:.2f} GiB")
+            self._enter("kernel compile/load (one rank compiles, the others wait on its file lock)", 900)
+            DispatchKernels()
+            self.say("dispatch kernels loaded")
+        total = len(configs) * len(self.paths) * len(g.tokens)
+        results: list[CaseResult] = []
+        try:
+            with progress_bar(
+                total, "bench dispatch", console=_stderr_console(), enabled=ctx.rank == 0
+            ) as bar:
+                for E, D, K, wire in configs:
+                    layout = EpLayout(
+                        ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, wire
+                    )
+                    for path in self.paths:
+                        self._enter(f"{path} {wire} D={D} E={E} K={K}: communicator setup", 300)
+                        comm = self._communicator(path, layout, session)
+                        for T in g.tokens:
+                            name = f"{path} {wire} T={T} D={D} E={E} K={K}"
+                            self._enter(f"case {len(results) + 1}/{total} ({name})", self.case_limit_s)
+                            results.append(self._case(comm, path, layout, T))
+                            emit(results[-1])
+                            bar.advance(note=name)
+                        self._enter(f"{path} {wire} D={D} E={E} K={K}: communicator close", 300)
+                        comm.close()
+        finally:
+            if session is not None:
+                self._enter("NVSHMEM finalize", 300)
+                session.close()
+        self._enter("done", float("inf"))
+        return results
+
+    def _enter(self, what: str, limit_s: float) -> None:
+        self.current = what
+        self.dog.stage(what, limit_s)
+
+    def _communicator(self, path: str, layout: Any, session: Any) -> Any:
+        from zerodram.runtime.comm import create_communicator
+
+        if path == "nvshmem":
+            from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+
+            return NvshmemComm.create(self.ctx, layout, session=session, timeout_s=self.timeout_s)
+        return create_communicator(self.ctx, layout, backend="torch")
+
+    def _case(self, comm: Any, path: str, layout: Any, T: int) -> CaseResult:
+        import torch
+
+        ctx, args, dev = self.ctx, self.args, self.ctx.device
+        E, D, K = layout.num_experts, layout.hidden, layout.top_k
+        gen = torch.Generator().manual_seed(T * 7 + E + 1000 * ctx.rank)
+        x = torch.randn(T, D, generator=gen).to(dtype=torch.bfloat16, device=dev)  # [T, D]
+        idx = torch.rand(T, E, generator=gen).argsort(1)[:, :K].to(dev)  # [T, K] distinct experts
+        w = torch.rand(T, K, generator=gen).to(dev)  # [T, K]
+        d_eager, c_eager = self._eager(comm, x, idx, w)
+        comm.check()
+        d_graph = c_graph = host_bound = stages = None
+        if path == "nvshmem":
+            d_graph, c_graph, host_bound = self._graph(comm, x, idx, w)
+            comm.check()
+        else:
+            stages = self._host_stages(comm, x, idx, w)
+        d_bytes, c_bytes = T * K * layout.msg_bytes, T * K * D * 2
+        return CaseResult(
+            path, layout.wire, T, D, E, K, ctx.world_size,
+            _r2(d_graph), _r2(c_graph), _r2(d_eager), _r2(c_eager), host_bound, stages,
+            d_bytes, c_bytes, round(d_bytes / self.link_bw * 1e6, 3), round(c_bytes / self.link_bw * 1e6, 3),
+            self.basis, args.iters, args.warmup, self.shared, SHARED_NOTE if self.shared else "",
+            self.device_name, time.strftime("%Y-%m-%d"),
+        )  # fmt: skip
+
+    def _eager(self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+        clock, d_times, c_times = self.clock, [], []
+        for i in range(self.args.warmup + self.args.iters):
+            clock.flush()
+            a = clock.mark()
+            out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+            d = clock.between(a, clock.mark())
+            clock.flush()  # idle again: the combine's launches may not hide behind the dispatch
+            a = clock.mark()
+            comm.combine(out.recv_x, out)
+            c = clock.between(a, clock.mark())
+            if i >= self.args.warmup:
+                d_times.append(d)
+                c_times.append(c)
+        return statistics.median(d_times), statistics.median(c_times)
+
+    def _graph(
+        self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+    ) -> tuple[float, float, bool]:
+        """Dispatch and combine each captured once, replayed alternately (dispatch n+1 of a phase may
+        start only after combine n: that is what orders the protocol's flags across ranks)."""
+        import torch
+
+        torch.cuda.synchronize()
+        g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_dispatch):
+            out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+        with torch.cuda.graph(g_combine):
+            comm.combine(out.recv_x, out)
+        for _ in range(self.args.warmup):
+            g_dispatch.replay()
+            g_combine.replay()
+        torch.cuda.synchronize()
+        n = self.args.iters
+        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record()
+        torch.cuda._sleep(SLEEP_CYCLES)  # holds the stream while the host enqueues every replay
+        s1.record()
+        t0 = time.perf_counter()
+        for i in range(n):
+            self.clock.evict()
+            ev[i][0].record()
+            g_dispatch.replay()
+            ev[i][1].record()
+            g_combine.replay()
+            ev[i][2].record()
+        enqueue_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        host_bound = enqueue_ms > s0.elapsed_time(s1)
+        d = statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev)
+        c = statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev)
+        del g_dispatch, g_combine, out  # before the communicator's buffers go
+        return d, c, host_bound
+
+    def _host_stages(
+        self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+    ) -> dict[str, float]:
+        """One more host-path call, its stages marked (CUDA events on a GPU: wall-like, since the
+        path waits on the host in the middle)."""
+        clock, marks = self.clock, []
+        clock.flush()
+        start = clock.mark()
+        comm.on_stage = lambda name: marks.append((f"dispatch.{name}", clock.mark()))
+        out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+        comm.on_stage = lambda name: marks.append((f"combine.{name}", clock.mark()))
+        comm.combine(out.recv_x, out)
+        comm.on_stage = lambda name: None
+        stages, prev = {}, start
+        for name, m in marks:
+            stages[name] = round(clock.between(prev, m), 2)
+            prev = m
+        return stages
+
+
+def _r2(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def _copy_bandwidth(dev: torch.device) -> float:
     """Measured bytes/s of a device copy, read + write counted (the one-rank floor's basis)."""
     import torch
@@ -115,36 +461,16 @@ def _copy_bandwidth(dev: torch.device) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     b.copy_(a)
-    times = []
+    clock, times = _Clock(dev, flush=False), []
     for _ in range(5):
-        t = _Timer(dev)
+        clock.flush()
+        t = clock.mark()
         b.copy_(a)
-        times.append(t.stop())
+        times.append(clock.between(t, clock.mark()))
     return 2 * n / (min(times) * 1e-6)
 
 
-class _Timer:
-    def __init__(self, dev: torch.device) -> None:
-        import torch
-
-        self.dev = dev
-        if dev.type == "cuda":
-            self.a = torch.cuda.Event(enable_timing=True)
-            self.b = torch.cuda.Event(enable_timing=True)
-            self.a.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        """Microseconds since construction."""
-        if self.dev.type == "cuda":
-            self.b.record()
-            self.b.synchronize()
-            return self.a.elapsed_time(self.b) * 1e3
-        return (time.perf_counter() - self.t0) * 1e6
-
-
-def _floor_basis(ctx: Any, copy_bw: float) -> tuple[float, str]:
+def _floor_basis(ctx: RankContext, copy_bw: float) -> tuple[float, str]:
     """(bytes/s per direction, description) of the slowest link this rank sends over."""
     topo = getattr(ctx, "topology", None)
     if ctx.world_size > 1 and topo is not None:
@@ -155,104 +481,69 @@ def _floor_basis(ctx: Any, copy_bw: float) -> tuple[float, str]:
     return float("nan"), "no topology: no link bandwidth"
 
 
-def _run_grid(
-    ctx: Any, grid: dict, paths: list[str], wires: tuple[str, ...], iters: int, warmup: int, emit: Any
-) -> list:
-    import torch
-
-    from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
-
-    dev = ctx.device
-    copy_bw = _copy_bandwidth(dev)
-    link_bw, basis = _floor_basis(ctx, copy_bw)
-    dtype = torch.bfloat16
-    t_max = max(grid["tokens"])
-    session = None
-    if "nvshmem" in paths:
-        from zerodram.runtime.comm.nvshmem_comm import _heap_hint
-        from zerodram.runtime.comm.nvshmem_session import NvshmemSession
-
-        biggest = max(
-            _heap_hint(EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, w))
-            for E, D, K, w in itertools.product(grid["experts"], grid["hidden"], grid["topk"], wires)
-        )
-        session = NvshmemSession.create(ctx, heap_bytes=biggest)
-    results = []
-    date = time.strftime("%Y-%m-%d")
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    try:
-        for E, D, K, wire in itertools.product(grid["experts"], grid["hidden"], grid["topk"], wires):
-            layout = EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, wire)
-            for path in paths:
-                if path == "nvshmem":
-                    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
-
-                    comm = NvshmemComm.create(ctx, layout, session=session)
-                else:
-                    comm = create_communicator(ctx, layout, backend="torch")
-                for T in grid["tokens"]:
-                    g = torch.Generator().manual_seed(T * 7 + E)
-                    x = torch.randn(T, D, generator=g).to(dtype=dtype, device=dev)
-                    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-                    w = torch.rand(T, K, generator=g).to(dev)
-                    d_us, c_us = _time_case(comm, x, idx, w, iters, warmup, dev)
-                    d_bytes, c_bytes = T * K * layout.msg_bytes, T * K * D * 2
-                    results.append(
-                        CaseResult(
-                            path,
-                            wire,
-                            T,
-                            D,
-                            E,
-                            K,
-                            ctx.world_size,
-                            round(d_us, 2),
-                            round(c_us, 2),
-                            d_bytes,
-                            c_bytes,
-                            round(d_bytes / link_bw * 1e6, 3),
-                            round(c_bytes / link_bw * 1e6, 3),
-                            basis,
-                            device_name,
-                            date,
-                        )
-                    )
-                    emit(results[-1])
-                comm.close()
-    finally:
-        if session is not None:
-            session.close()
-    return results
+def _fmt(v: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.1f}"
 
 
-def _time_case(comm: Any, x, idx, w, iters: int, warmup: int, dev: torch.device) -> tuple[float, float]:
-    d_times, c_times = [], []
-    for i in range(warmup + iters):
-        t = _Timer(dev)
-        out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
-        d = t.stop()
-        t = _Timer(dev)
-        comm.combine(out.recv_x, out)
-        c = t.stop()
-        if i >= warmup:
-            d_times.append(d)
-            c_times.append(c)
-    comm.check()
-    return statistics.median(d_times), statistics.median(c_times)
-
-
-def _print_table(results: list) -> None:
+def _print_table(results: list[CaseResult], out: Any) -> None:
     head = (
-        f"{'path':8} {'wire':4} {'T':>4} {'D':>5} {'E':>4} {'K':>2} | {'dispatch us':>11} {'floor':>7} "
-        f"{'MB':>6} | {'combine us':>10} {'floor':>7} {'MB':>6}"
+        f"{'path':8} {'wire':4} {'T':>4} {'D':>5} {'E':>4} {'K':>2} | {'disp graph':>10} {'eager':>8} "
+        f"{'floor':>7} | {'comb graph':>10} {'eager':>8} {'floor':>7} | {'MB':>6}"
     )
-    print(head)
-    print("-" * len(head))
+    print(head, file=out)
+    print("-" * len(head), file=out)
     for r in results:
         print(
             f"{r.path:8} {r.wire:4} {r.tokens:>4} {r.hidden:>5} {r.experts:>4} {r.topk:>2} | "
-            f"{r.dispatch_us:>11.1f} {r.dispatch_floor_us:>7.2f} {r.dispatch_bytes / 1e6:>6.2f} | "
-            f"{r.combine_us:>10.1f} {r.combine_floor_us:>7.2f} {r.combine_bytes / 1e6:>6.2f}"
+            f"{_fmt(r.dispatch_graph_us, 10)} {r.dispatch_eager_us:>8.1f} {r.dispatch_floor_us:>7.2f} | "
+            f"{_fmt(r.combine_graph_us, 10)} {r.combine_eager_us:>8.1f} {r.combine_floor_us:>7.2f} | "
+            f"{r.dispatch_bytes / 1e6:>6.2f}",
+            file=out,
         )
-    if results:
-        print(f"floor = bytes / ({results[0].floor_basis}); world size {results[0].world_size}")
+
+
+def _print_summary(results: list[CaseResult], out: Any) -> None:
+    """The anchor shape (largest D, E, K of the grid) per T, and medians over the grid; us."""
+    if not results:
+        return
+    r0 = results[0]
+    if r0.shared_gpu:
+        print(f"NOTE: {SHARED_NOTE}", file=out)
+    D, E, K = (max(getattr(r, f) for r in results) for f in ("hidden", "experts", "topk"))
+    by = {(r.path, r.wire, r.tokens): r for r in results if (r.hidden, r.experts, r.topk) == (D, E, K)}
+    paths = sorted({r.path for r in results})
+    print(f"D={D} E={E} K={K}, world size {r0.world_size}, us, medians of {r0.iters}:", file=out)
+    cols = " ".join(f"{p + ' ' + c:>16}" for p in paths for c in ("disp g/eager", "comb g/eager"))
+    print(f"{'wire':4} {'T':>4} | {cols} | {'floor d/c':>13}", file=out)
+    for wire, T in sorted({(w, t) for _, w, t in by}):
+        cells = []
+        for p in paths:
+            r = by.get((p, wire, T))
+            if r is None:
+                cells += ["", ""]
+                continue
+            for g, e in (
+                (r.dispatch_graph_us, r.dispatch_eager_us),
+                (r.combine_graph_us, r.combine_eager_us),
+            ):
+                cells.append(f"{_fmt(g, 7).strip():>7}/{e:<8.1f}")
+        ref = by[next(k for k in by if k[1:] == (wire, T))]
+        floor = f"{ref.dispatch_floor_us:.2f}/{ref.combine_floor_us:.2f}"
+        print(f"{wire:4} {T:>4} | {' '.join(f'{c:>16}' for c in cells)} | {floor:>13}", file=out)
+    for p in paths:
+        rs = [r for r in results if r.path == p]
+        parts = []
+        for f in ("dispatch", "combine"):
+            g = [v for r in rs if (v := getattr(r, f + "_graph_us")) is not None]
+            e = statistics.median(getattr(r, f + "_eager_us") for r in rs)
+            parts.append(f"{f} " + (f"graph {statistics.median(g):.1f} / " if g else "") + f"eager {e:.1f}")
+        print(f"median over {len(rs)} {p} cases: " + ", ".join(parts), file=out)
+    if any(r.graph_host_bound for r in results):
+        print(
+            "WARNING: some graph timings were host bound (graph_host_bound): they include host gaps", file=out
+        )
+    print(f"floor = bytes / ({r0.floor_basis})", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,10 +30,11 @@ for step in $steps; do
                --section WarpStateStats --section SchedulerStats --section InstructionStats \
                python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
                >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue|Stall|Warp Cycles|Eligible" "$out/ncu-attention.txt" | head -40 ;;
-    dispatch) timeout 300 python3 benchmarks/dispatch.py --iters 10 --json 2>&1 | tee "$out/dispatch.log" | grep -v '^{' | tail -30 ;;
-    dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-240} torchrun --nproc-per-node 4 --master-port 29511 \
-               benchmarks/dispatch.py --paths nvshmem --tokens 1,128 --iters 5 --warmup 2 --json 2>&1 \
-               | tee "$out/dispatch-4pe.log" | grep -v '^{' | tail -20 ;;
+    dispatch) timeout ${T_DISPATCH:-240} python3 benchmarks/dispatch.py --iters 20 --warmup 5 --json 2>&1 \
+               | tee "$out/dispatch.log" | grep --line-buffered -v '^{' ;;
+    dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-200} torchrun --nproc-per-node 4 --master-port 29511 \
+               benchmarks/dispatch.py --iters 5 --warmup 2 --device-timeout 60 --json 2>&1 \
+               | tee "$out/dispatch-4pe.log" | grep --line-buffered -v '^{' ;;
     decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac

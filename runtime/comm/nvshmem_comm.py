@@ -164,6 +164,10 @@ class NvshmemComm(Communicator):
                 "expert_offsets": torch.zeros(El, **i32),
                 "num_per_expert": torch.zeros(El, **i32),
                 "num_rows": torch.zeros(1, **i32),
+                "topk_idx": torch.empty(lay.max_tokens_per_rank, lay.top_k, dtype=torch.int64, device=dev),
+                "topk_weight": torch.empty(
+                    lay.max_tokens_per_rank, lay.top_k, dtype=torch.float32, device=dev
+                ),
             }
             for _ in range(2)
         ]
@@ -187,8 +191,8 @@ class NvshmemComm(Communicator):
             topk_idx = rin.topk_idx.to(device=dev, dtype=torch.int64).contiguous()
             topk_weight = rin.topk_weight.to(device=dev, dtype=torch.float32).contiguous()
         else:
-            topk_idx = torch.empty(T, K, dtype=torch.int64, device=dev)
-            topk_weight = torch.empty(T, K, dtype=torch.float32, device=dev)
+            # the fused router's outputs: per-phase buffers, valid as long as this phase's recv_x
+            topk_idx, topk_weight = self._recv[phase]["topk_idx"][:T], self._recv[phase]["topk_weight"][:T]
             if rin.logits is not None:
                 mode, logits = ROUTE_LOGITS, rin.logits.float().contiguous()
             else:
@@ -223,6 +227,7 @@ class NvshmemComm(Communicator):
         self.kernels.combine_wait(
             self.my_base[h.phase], self.sym.off_comb_flag, lay.world_size, self.timeout_ns, self.error
         )
+        # a fresh tensor, not a per-phase buffer: the caller owns y (a residual may outlive a phase)
         out = torch.empty(h.T, lay.hidden, dtype=torch.bfloat16, device=y.device)
         self.kernels.combine_reduce(
             self.my_base[h.phase], self.sym.off_comb, dispatched.topk_idx, dispatched.topk_weight, out

@@ -1,41 +1,53 @@
 """Host-driven dispatch/combine over torch.distributed (gloo on CPU, NCCL on GPU): the baseline.
 
 Shape legend: T tokens, D hidden, K top-k, W world size, Elm max local experts, El local
-experts, S rows sent, R rows received, B bytes per row on the wire.
+experts, P = W * Elm pairs, S rows sent, R rows received, B bytes per row on the wire.
 
-    dispatch   route on the host -> plan slots (`plan_send`) -> counts exchange [W, Elm]
-               (gloo: one isend/irecv per peer in ring order, each wait bounded and naming the
-               peer; NCCL: all_to_all_single + host sync) -> rows as bytes via all_to_all_single
-               -> rows scattered into the packed expert-major layout (`packed_offsets`)
-    combine    packed outputs back to arrival order -> all_to_all_single with the splits swapped
-               -> `combine_reduce` with the router weights
+    dispatch   route (given, or the router in torch) -> send order and per-pair counts on the
+               device (`HostPlanner.send`: a sort and a scatter-add) -> counts exchange [W, Elm]
+               and the ONE host sync (NCCL: all_to_all_single, then one copy of send and receive
+               counts to the host; gloo: one isend/irecv per peer, each wait bounded and naming
+               the peer) -> rows gathered and sent as bytes by one all_to_all_single -> packed
+               positions from the counts on the host (`HostPlanner.recv`), one copy to the device,
+               one gather into the expert-major layout
+    combine    packed outputs gathered back to arrival order -> one all_to_all_single with the
+               splits swapped -> rows put at their t*K + k -> `combine_reduce` with router weights
 
-It is "legacy" by design (a host sync between counts and data, exact-size buffers), not a mock:
-the same slot, packing and reduction rules as the NVSHMEM kernels.
+It is "legacy" by design (a host sync between counts and data, exact-size buffers), not a strawman:
+a fixed handful of tensor ops per call, the same slot, packing and reduction rules as the NVSHMEM
+kernels. `on_stage` lets a benchmark time the stages (plan, counts, rows, unpack / gather, rows,
+reduce); it is a no-op otherwise.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from zerodram.runtime.comm.base import Communicator, DispatchOutput, RouteInput, combine_reduce
-from zerodram.runtime.comm.layout import EpLayout, fp8_dequantize, fp8_quantize, packed_offsets, plan_send
+from zerodram.runtime.comm.host_plan import HostPlanner
+from zerodram.runtime.comm.layout import EpLayout, fp8_dequantize, fp8_quantize
 from zerodram.runtime.errors import RankTimeoutError
 from zerodram.runtime.moe.router import RouterConfig
 
 _TAG_COUNTS = 7001
 
 
+def _no_stage(name: str) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class _Handle:
     T: int
-    recv_pos: torch.Tensor  # [R] packed position of each received row, arrival order
-    send_src_idx: torch.Tensor  # [S] t*K + k of each sent row, send order
+    recv_pos: torch.Tensor  # [R] int32 packed position of each received row, arrival order
+    send_src_idx: torch.Tensor  # [S] int64 t*K + k of each sent row, send order
     send_rows: list[int]  # [W] rows sent to each rank
     recv_rows: list[int]  # [W] rows received from each rank
     dtype: torch.dtype
@@ -60,6 +72,12 @@ class TorchDistComm(Communicator):
         self.timeout_s = timeout_s
         self.group = group
         self.expert_load = torch.zeros(layout.num_local_experts, dtype=torch.int64, device=device)
+        self.planner = HostPlanner(layout.placement, layout.top_k, layout.max_tokens_per_rank, device)
+        P = self.planner.num_pairs
+        # [send | recv] counts, each P + 1 long (the last entry counts masked choices): one buffer so
+        # that one device->host copy brings both (the path's one host sync)
+        self._counts = torch.zeros(2, P + 1, dtype=torch.int64, device=device)
+        self.on_stage: Callable[[str], None] = _no_stage
         self._closed = False
 
     @classmethod
@@ -85,115 +103,92 @@ class TorchDistComm(Communicator):
     # -- dispatch ------------------------------------------------------------------------------
 
     def _dispatch(self, x: torch.Tensor, rin: RouteInput) -> DispatchOutput:
-        lay = self.layout
-        W, Elm, D, K = lay.world_size, lay.placement.max_local_experts, lay.hidden, lay.top_k
-        T = x.shape[0]
+        lay, stage = self.layout, self.on_stage
+        K, El = lay.top_k, lay.num_local_experts
+        T, dev = x.shape[0], x.device
         topk_idx, topk_weight = self.route_on_host(x, rin)  # [T, K]
-        plan = plan_send(topk_idx, lay.placement)
-        flat_dst = plan.dst_rank.flatten()
-        valid = flat_dst >= 0
-        # send order: by destination, then local expert, then slot: the receiver derives (le, slot)
-        # of every row from the counts alone
-        key = (
-            flat_dst * Elm + plan.local_expert_idx.flatten()
-        ) * lay.max_tokens_per_rank + plan.slot.flatten()
-        send_src_idx = torch.nonzero(valid).flatten()
-        send_src_idx = send_src_idx[torch.argsort(key[send_src_idx])]  # [S] t*K + k
-        pair = (flat_dst * Elm + plan.local_expert_idx.flatten())[send_src_idx]
-        send_counts = torch.bincount(pair, minlength=W * Elm).view(W, Elm)  # [W, Elm]
-
-        recv_counts = self._exchange_counts(send_counts)  # [W(src), Elm], host
-        send_rows = send_counts.sum(1).tolist()
-        recv_rows = recv_counts.sum(1).tolist()
-
-        payload = self._encode(x[send_src_idx // K], send_src_idx)  # [S, B]
-        recv_payload = torch.empty(sum(recv_rows), payload.shape[1], dtype=torch.uint8, device=x.device)
+        topk_idx = topk_idx.to(dev)
+        plan = self.planner.send(topk_idx, self._counts[0])
+        stage("plan")
+        counts = self._exchange_counts()  # host [2, W, Elm]: send, recv
+        send_rows = counts[0].sum(1).tolist()
+        recv_rows = counts[1].sum(1).tolist()
+        stage("counts")
+        send_src_idx = plan.order[: sum(send_rows)]  # [S] routed entries come first
+        payload = self._encode(x.index_select(0, send_src_idx // K))  # [S, B]
+        recv_payload = torch.empty(sum(recv_rows), payload.shape[1], dtype=torch.uint8, device=dev)
+        # the packed positions need only the counts: work them out while the rows travel (NCCL)
+        recv = self.planner.recv(counts[1])
+        R = recv.num_rows
+        idx_host = np.concatenate(
+            [recv.recv_pos, recv.packed_src, recv.recv_expert_offsets, recv.recv_num_tokens_per_expert]
+        ).astype(np.int32)
+        idx = torch.from_numpy(idx_host).to(dev, non_blocking=True)  # one host->device copy
+        recv_pos, packed_src = idx[:R], idx[R : 2 * R]
+        expert_offsets, num_per_expert = idx[2 * R : 2 * R + El], idx[2 * R + El :]
         self._all_to_all(recv_payload, payload, recv_rows, send_rows, "dispatch rows")
-        rows, recv_src_idx = self._decode(recv_payload, x.dtype)  # [R, D], [R]
-
-        El = lay.num_local_experts
-        counts_le_src = recv_counts[:, :El].t().contiguous()  # [El, W]
-        pair_offsets, expert_offsets = packed_offsets(counts_le_src)
-        # arrival order is (src, le, slot); the packed position is pair_offsets[le, src] + slot
-        seg = recv_counts[:, :El].flatten()  # [W*El] in (src, le) order
-        seg_src = torch.arange(W).repeat_interleave(El)
-        seg_le = torch.arange(El).repeat(W)
-        row_seg = torch.repeat_interleave(torch.arange(W * El), seg)
-        seg_start = torch.cumsum(seg, 0) - seg
-        slot = torch.arange(row_seg.numel()) - seg_start[row_seg]
-        recv_pos = (pair_offsets[seg_le[row_seg], seg_src[row_seg]].to(torch.int64) + slot).to(x.device)
-        recv_x = torch.empty(rows.shape[0], D, dtype=x.dtype, device=x.device)
-        recv_x[recv_pos] = rows
-        num_per_expert = counts_le_src.sum(1).to(torch.int32)
-        self.expert_load += num_per_expert.to(self.expert_load.device)
-        del recv_src_idx  # arrival order already maps back; kept on the wire for parity with the GPU
+        stage("rows")
+        recv_x = self._decode(recv_payload.index_select(0, packed_src), x.dtype)  # [R, D] packed
+        self.expert_load += num_per_expert
+        stage("unpack")
         handle = _Handle(T, recv_pos, send_src_idx, send_rows, recv_rows, x.dtype)
-        return DispatchOutput(
-            recv_x,
-            expert_offsets.to(x.device),
-            num_per_expert.to(x.device),
-            topk_idx,
-            topk_weight,
-            handle,
-        )
+        return DispatchOutput(recv_x, expert_offsets, num_per_expert, topk_idx, topk_weight, handle)
 
-    def _encode(self, rows: torch.Tensor, src_idx: torch.Tensor) -> torch.Tensor:
-        """rows [S, D] + src_idx [S] -> bytes [S, B]: values (or fp8 values + scales), then src_idx."""
-        idx_bytes = src_idx.to(torch.int32).unsqueeze(1).contiguous().view(torch.uint8)  # [S, 4]
+    def _encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [S, D] -> bytes [S, B]: the values (bf16), or fp8 values then fp32 scales. The row's
+        src_idx does not travel: its arrival position says it (counts + token order)."""
         if self.layout.wire == "fp8":
             q, scale = fp8_quantize(rows)
-            parts = [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
-        else:
-            parts = [rows.contiguous().view(torch.uint8)]
-        return torch.cat([*parts, idx_bytes], dim=1)
+            return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+        return rows.contiguous().view(torch.uint8)
 
-    def _decode(self, payload: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         D = self.layout.hidden
-        idx = payload[:, -4:].contiguous().view(torch.int32).flatten()
         if self.layout.wire == "fp8":
-            q = payload[:, :D].contiguous().view(torch.float8_e4m3fn)
-            scale = payload[:, D : D + 4 * (D // 128)].contiguous().view(torch.float32)
-            return fp8_dequantize(q, scale, dtype), idx
-        elem = torch.empty((), dtype=dtype).element_size()
-        return payload[:, : D * elem].contiguous().view(dtype), idx
+            q = payload[:, :D].view(torch.float8_e4m3fn)
+            scale = payload[:, D:].view(torch.float32)  # row stride D + 4*D/128: 4-byte aligned
+            return fp8_dequantize(q, scale, dtype)
+        return payload.view(dtype)
 
     # -- combine -------------------------------------------------------------------------------
 
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         h: _Handle = dispatched.handle
-        K, D = self.layout.top_k, self.layout.hidden
-        send = expert_out[h.recv_pos].to(h.dtype).contiguous()  # [R, D] back in arrival order
-        recv = torch.empty(len(h.send_src_idx), D, dtype=h.dtype, device=expert_out.device)
+        K, D, stage = self.layout.top_k, self.layout.hidden, self.on_stage
+        send = expert_out.index_select(0, h.recv_pos).to(h.dtype)  # [R, D] back in arrival order
+        stage("gather")
+        recv = torch.empty(h.send_src_idx.shape[0], D, dtype=h.dtype, device=expert_out.device)
         self._all_to_all(recv, send, h.send_rows, h.recv_rows, "combine rows")
-        buf = torch.zeros(h.T * K, D, dtype=torch.float32, device=expert_out.device)
-        buf[h.send_src_idx] = recv.float()
-        return combine_reduce(buf, dispatched.topk_idx, dispatched.topk_weight).to(h.dtype)
+        stage("rows")
+        buf = torch.zeros(h.T * K, D, dtype=h.dtype, device=expert_out.device)  # masked rows stay 0
+        buf.index_copy_(0, h.send_src_idx, recv)
+        y = combine_reduce(buf, dispatched.topk_idx, dispatched.topk_weight).to(h.dtype)
+        stage("reduce")
+        return y
 
     # -- collectives, bounded ----------------------------------------------------------------------
 
-    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """send_counts [W, Elm] -> recv_counts [W, Elm] on the host (the legacy path's host sync)."""
+    def _exchange_counts(self) -> np.ndarray:
+        """self._counts[0] (send counts) -> self._counts[1] (recv counts); returns both as host
+        [2, W, Elm]: the path's one host sync."""
         lay = self.layout
+        W, Elm, P = lay.world_size, lay.placement.max_local_experts, self.planner.num_pairs
+        send, recv = self._counts[0, :P], self._counts[1, :P]  # [W*Elm] each, contiguous
         if self.backend == "nccl":
-            dev = send_counts.to(self.device).contiguous()
-            out = torch.empty_like(dev)
-            self._all_to_all(out, dev, None, None, "dispatch counts")
-            return out.cpu()
-        recv = torch.zeros_like(send_counts)
-        recv[lay.rank] = send_counts[lay.rank]
+            self._all_to_all(recv, send, None, None, "dispatch counts")
+            return self._counts[:, :P].cpu().numpy().reshape(2, W, Elm)
+        send_h = send.cpu().view(W, Elm)  # gloo: the counts live on the host already (CPU ranks)
+        recv_h = torch.empty_like(send_h)
+        recv_h[lay.rank] = send_h[lay.rank]
         peers = [p for p in lay.placement.ring_peers if p != lay.rank]
-        sends = [
-            dist.isend(send_counts[p].contiguous(), dst=p, group=self.group, tag=_TAG_COUNTS) for p in peers
-        ]
-        bufs = {p: torch.zeros_like(send_counts[p]) for p in peers}
-        recvs = {p: dist.irecv(bufs[p], src=p, group=self.group, tag=_TAG_COUNTS) for p in peers}
+        sends = [dist.isend(send_h[p], dst=p, group=self.group, tag=_TAG_COUNTS) for p in peers]
+        recvs = [dist.irecv(recv_h[p], src=p, group=self.group, tag=_TAG_COUNTS) for p in peers]
         deadline = time.monotonic() + self.timeout_s
-        for p in peers:
-            self._wait(recvs[p], deadline, f"dispatch counts from rank {p}")
-            recv[p] = bufs[p]
+        for p, work in zip(peers, recvs, strict=True):
+            self._wait(work, deadline, f"dispatch counts from rank {p}")
         for p, work in zip(peers, sends, strict=True):
             self._wait(work, deadline, f"rank {p} to take its dispatch counts")
-        return recv
+        return torch.stack([send_h, recv_h]).numpy()
 
     def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
         left = max(deadline - time.monotonic(), 0.001)
