@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerodram.runtime.engine.fp2_decode import make_decode_attention
+from zerodram.runtime.engine.graphs import DecodeGraphs
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
 from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
 from zerodram.runtime.engine.sampler import make_generator, sample
@@ -120,6 +121,12 @@ class Engine:
         self._next_id = 0
         self.step_idx = 0
         self.use_cuda_graphs = self.config.cuda_graphs and self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs:
+            if self.world_size > 1:
+                # every rank would have to capture (and warm up the EP collectives) in step
+                raise ConfigError(f"cuda_graphs serve one rank for now, this job has {self.world_size}")
+            self.graphs = DecodeGraphs(model, max_batch=self.config.scheduler.max_num_seqs, capture=True)
         self.on_error: Callable[[str], None] | None = None
 
     # --- observation ---------------------------------------------------------------------------
@@ -194,7 +201,10 @@ class Engine:
         t0 = time.perf_counter()
         self.model.timer.begin_step()
         plan = self.scheduler.schedule()
-        logits = self.model.forward(plan.batch, self.attn)  # [N, V]
+        if self.graphs is not None and self.graphs.eligible(plan.batch):
+            logits = self.graphs.run(plan.batch, self.attn)  # [N, V], decode rows only
+        else:
+            logits = self.model.forward(plan.batch, self.attn)  # [N, V]
         with self.model.timer.phase("sampling"):
             tokens = sample(
                 logits,
