@@ -113,3 +113,25 @@ def test_experts_that_cannot_be_captured_are_refused() -> None:
     model.layers[1].ep = AllGatherEP(model.layers[1].ep.experts, 2, 0)
     with pytest.raises(ConfigError, match=r"MoE layers \[1\] \(AllGatherEP\)"):
         DecodeGraphs(model, max_batch=4, capture=False)
+
+
+def test_static_step_on_smollm2_with_fp2_kv() -> None:
+    """The dense-as-MoE router (K = E) and the fused FP2 decode path between static pieces."""
+    from zerodram.runtime.engine.build import build_engine
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    got = []
+    for static in (False, True):
+        cfg = EngineConfig(
+            kv_format="fp2:tail=1,window=7", num_kv_pages=16, scheduler=SchedulerConfig(4, 16, 4)
+        )
+        try:
+            engine = build_engine("smollm2", None, cfg)
+        except ConfigError as err:
+            pytest.skip(str(err))
+        if static:
+            engine.graphs = DecodeGraphs(engine.model, max_batch=4, capture=False)
+        got.append(
+            [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+        )
+    assert got[1] == got[0]
