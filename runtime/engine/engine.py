@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerodram.runtime.engine.fp2_decode import make_decode_attention
+from zerodram.runtime.engine.graphs import DecodeGraphs
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
 from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
 from zerodram.runtime.engine.sampler import make_generator, sample
@@ -29,7 +31,9 @@ from zerodram.runtime.model.transformer import Transformer
 @dataclass(frozen=True)
 class EngineConfig:
     """kv_format: "fp2", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens per rank.
-    cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md)."""
+    cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md).
+    fused_decode: FP2 decode rows run the fused decode attention when the kernels read the format
+    (False: read the pages back and run SDPA, the reference path)."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -37,6 +41,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
     cuda_graphs: bool = False
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:
@@ -101,7 +106,13 @@ class Engine:
             model.dtype,
             self.device,
         )
-        self.attn = PagedAttention(self.kv, mc.head_dim**-0.5, getattr(self.kv, "decode_attention", None))
+        scale = mc.head_dim**-0.5
+        decode = None
+        if self.config.fused_decode:
+            decode = make_decode_attention(
+                self.kv, num_q_heads=mc.num_heads, scale=scale, max_batch=self.config.scheduler.max_num_seqs
+            )
+        self.attn = PagedAttention(self.kv, scale, decode)
         self.scheduler = Scheduler(self.kv, self.config.scheduler, self.device)
         self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
         eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -110,6 +121,12 @@ class Engine:
         self._next_id = 0
         self.step_idx = 0
         self.use_cuda_graphs = self.config.cuda_graphs and self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs:
+            if self.world_size > 1:
+                # every rank would have to capture (and warm up the EP collectives) in step
+                raise ConfigError(f"cuda_graphs serve one rank for now, this job has {self.world_size}")
+            self.graphs = DecodeGraphs(model, max_batch=self.config.scheduler.max_num_seqs, capture=True)
         self.on_error: Callable[[str], None] | None = None
 
     # --- observation ---------------------------------------------------------------------------
@@ -184,7 +201,10 @@ class Engine:
         t0 = time.perf_counter()
         self.model.timer.begin_step()
         plan = self.scheduler.schedule()
-        logits = self.model.forward(plan.batch, self.attn)  # [N, V]
+        if self.graphs is not None and self.graphs.eligible(plan.batch):
+            logits = self.graphs.run(plan.batch, self.attn)  # [N, V], decode rows only
+        else:
+            logits = self.model.forward(plan.batch, self.attn)  # [N, V]
         with self.model.timer.phase("sampling"):
             tokens = sample(
                 logits,

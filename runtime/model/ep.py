@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from zerodram.runtime.model.moe import ExpertWeights
+from zerodram.runtime.model.moe import ExpertWeights, swiglu
 from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer
 
 if TYPE_CHECKING:
@@ -47,6 +47,39 @@ class LocalExperts:
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         with self.timer.phase("experts"):
             return self.experts.forward(x, topk_idx, topk_weight)
+
+
+class DenseLocalExperts:
+    """All experts on this rank with static shapes and no host sync (what a CUDA graph can
+    capture): every local expert runs on every token, weighted by its combine weight (zero where
+    the token did not pick it). El / K times the FLOPs of `LocalExperts`, and every expert's
+    weights are read each call: meant for one rank's decode steps, where the batch is small.
+    """
+
+    def __init__(self, experts: ExpertWeights) -> None:
+        self.experts = experts
+        # made here, not per call: a host-to-device copy cannot run inside a capture
+        self.ids = torch.tensor(experts.expert_ids, device=experts.w_gate.device)  # [El]
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """x [T, D], topk_idx [T, K] global expert ids, topk_weight [T, K] -> [T, D]."""
+        e = self.experts
+        picked = topk_idx[:, :, None] == self.ids  # [T, K, El]
+        combine = (picked * topk_weight[:, :, None]).sum(1).to(x.dtype)  # [T, El]
+        out = torch.zeros_like(x)
+        for local_idx in range(len(e.expert_ids)):
+            y = swiglu(x, e.w_gate[local_idx], e.w_up[local_idx], e.w_down[local_idx])
+            out += y * combine[:, local_idx, None]
+        return out
+
+
+def capturable_ep(ep: ExpertParallel) -> ExpertParallel | None:
+    """A twin of `ep` that a CUDA graph can capture (static shapes, no host sync, no timers), or
+    None. Only `LocalExperts` (one rank) has one today; runtime/moe's NVSHMEM layer replays from a
+    graph too, but capturing it needs every rank to capture in step (see docs/engine.md)."""
+    if isinstance(ep, LocalExperts):
+        return DenseLocalExperts(ep.experts)
+    return None
 
 
 class AllGatherEP:
@@ -169,6 +202,8 @@ class _TimedEP:
         with self.timer.phase("dispatch"):
             out = layer.comm.dispatch(x, topk_idx=topk_idx, topk_weight=topk_weight)
         with self.timer.phase("experts"):
-            y = grouped_swiglu(out.recv_x, out.recv_expert_offsets, layer.experts, layer.use_grouped)  # [N, D]
+            y = grouped_swiglu(
+                out.recv_x, out.recv_expert_offsets, layer.experts, layer.use_grouped
+            )  # [N, D]
         with self.timer.phase("combine"):
             return layer.comm.combine(y, out)

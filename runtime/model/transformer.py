@@ -78,19 +78,40 @@ class DecoderLayer:
         self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, attn: PagedAttention, timer: PhaseTimer
     ) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        cfg = self.cfg
-        T = x.shape[0]
         with timer.phase("attention"):
-            h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-            q = F.linear(h, self.q, self.q_bias).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, Dh]
-            k = F.linear(h, self.k, self.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, Dh]
-            v = F.linear(h, self.v, self.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
-            if self.q_norm is not None:
-                q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-            q, k = rope.apply(q, k, batch.positions)
+            q, k, v = self.pre_attention(x, batch.positions, rope)
             o = attn(self.idx, q, k, v, batch)  # [T, Hq, Dh]
-            x = x + F.linear(o.reshape(T, cfg.q_size), self.o)
+            x = x + self.attn_output(o)
+        return self.feed_forward(x, timer)
+
+    def pre_attention(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, Hq, Dh], k / v [T, Hkv, Dh], RoPE applied (no KV access: capturable)."""
+        cfg, T = self.cfg, x.shape[0]
+        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        q = F.linear(h, self.q, self.q_bias).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, Dh]
+        k = F.linear(h, self.k, self.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, Dh]
+        v = F.linear(h, self.v, self.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = rope.apply(q, k, positions)
+        return q, k, v
+
+    def attn_output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection: o [T, Hq, Dh] -> [T, D] (added to the residual by the caller)."""
+        return F.linear(o.reshape(o.shape[0], self.cfg.q_size), self.o)
+
+    def feed_forward(
+        self, x: torch.Tensor, timer: PhaseTimer, ep: ExpertParallel | None = None
+    ) -> torch.Tensor:
+        """The FFN block with its residual: x [T, D] -> [T, D].
+
+        ep: the routed experts to use (default: the layer's own; the CUDA-graph step passes a
+        capturable twin, see runtime/engine/graphs.py).
+        """
+        cfg = self.cfg
         h = rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)
         if not self.is_moe:
             with timer.phase("experts"):
@@ -98,7 +119,7 @@ class DecoderLayer:
         with timer.phase("router"):
             topk_idx, topk_weight = self.router(h)  # [T, K], [T, K]
             timer.routed(self.idx, topk_idx)
-        y = self.ep(h, topk_idx, topk_weight)  # collective: every rank, every step
+        y = (ep or self.ep)(h, topk_idx, topk_weight)  # collective: every rank, every step
         if self.shared is not None:
             with timer.phase("experts"):
                 y = y + self.shared(h)
@@ -151,5 +172,9 @@ class Transformer:
         for layer in self.layers:
             x = layer.forward(x, batch, self.rope, attn, self.timer)
         with self.timer.phase("lm_head"):
-            h = rms_norm(x[batch.logits_rows], self.final_norm, self.config.rms_norm_eps)
-            return F.linear(h, self.lm_head).float()  # [N, V]
+            return self.head(x[batch.logits_rows])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: x [N, D] -> fp32 logits [N, V]."""
+        h = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,120 @@
+"""The engine's whole decode step, eager vs CUDA graphs, FP2 vs BF16 KV (SmolLM2 by default).
+
+    python benchmarks/engine_step.py [--json]                       # GPU: B 1/8/16, 512-token prompts
+    python benchmarks/engine_step.py --batches 1,4 --context 64 --steps 4    # CPU smoke (graphs ignored)
+
+Shape legend: B decode sequences, L tokens in the KV per sequence.
+
+For each KV format and graphs off/on, one engine serves B requests of `context` random prompt
+tokens; once every request decodes, `Engine.step()` is timed `--steps` times after `--warmup`
+untimed steps: scheduling, the forward pass (KV writes, attention, experts), sampling and the
+host bookkeeping, i.e. what serving pays per token. No L2 flush: a serving step follows another.
+Timing: CUDA events around each step on a GPU (the step's own sampling syncs it), perf_counter on
+CPU; median and p90 per case. A table, then one JSON line per case (`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
+from zerodram.runtime.engine.build import build_engine
+from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
+
+FP2 = "fp2"  # the format the fused kernels read (bare fp2: no calibration needed)
+
+
+def _time_steps(engine, batch: int, context: int, warmup: int, steps: int, seed: int) -> list[float]:
+    """Milliseconds of each timed decode step of `batch` sequences."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    for _ in range(batch):
+        rid = engine.new_request_id()
+        prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+        params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
+        engine.add_request(engine.validate(rid, prompt, params))
+    sched = engine.scheduler
+    while sched.waiting or not all(r.prefill_done for r in sched.running):
+        engine.step()
+    cuda = engine.device.type == "cuda"
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    while engine.has_work:  # let the requests finish (two more tokens each)
+        engine.step()
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--kv", default=f"{FP2},bf16", help="comma-separated KV formats")
+    p.add_argument("--batches", default="1,8,16")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--dtype", default=None, help="weights: bf16 on GPU, fp32 on CPU by default")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    ctx = SimpleNamespace(device=torch.device("cuda"), rank=0, world_size=1, topology=None) if cuda else None
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    batches = [int(b) for b in args.batches.split(",")]
+    max_b, tokens = max(batches), args.context + args.warmup + args.steps + 2
+    rows = []
+    for kv in args.kv.split(","):
+        for graphs in (False, True):
+            config = EngineConfig(
+                kv_format=kv,
+                num_kv_pages=max_b * math.ceil(tokens / 32) + 8,
+                page_size=32,
+                scheduler=SchedulerConfig(max_b, max(max_b, 512), 512),
+                cuda_graphs=graphs,
+            )
+            t0 = time.perf_counter()
+            engine = build_engine(args.model, ctx, config, dtype=dtype)
+            build_s = time.perf_counter() - t0
+            for b in batches:
+                ms = _time_steps(engine, b, args.context, args.warmup, args.steps, seed=b)
+                med = statistics.median(ms)
+                rows.append({
+                    "bench": "engine_step", "model": args.model, "device": str(engine.device),
+                    "dtype": dtype, "kv": kv, "fused_decode": isinstance(engine.attn.decode, Fp2FusedDecode),
+                    "cuda_graphs": engine.graphs is not None, "batch": b, "context": args.context,
+                    "steps": len(ms), "median_ms": round(med, 4),
+                    "p90_ms": round(statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else med, 4),
+                    "tok_s": round(b / med * 1e3, 1), "build_s": round(build_s, 2),
+                })  # fmt: skip
+            del engine
+    print(f"{'kv':>6} {'graphs':>6} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
+    for r in rows:
+        print(
+            f"{r['kv']:>6} {r['cuda_graphs']!s:>6} {r['batch']:>4} {r['median_ms']:>10.3f} "
+            f"{r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}"
+        )
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The engine's fused FP2 decode path (runtime/engine/fp2_decode.py) against gather + SDPA, on CPU
+(where Fp2DecodeAttention runs the plain-torch reference of the kernels).
+
+Shape legend: B sequences, Hq query heads, Hkv KV heads, Dh head dim, L cached tokens.
+
+Both paths read the same pages, so they differ only by rounding (fp32 here): per layer to 1e-4,
+and the engine's greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from test_engine_support import SMOL_QUESTIONS
+
+from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
+from zerodram.runtime.engine.engine import Engine
+from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode, make_decode_attention
+from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
+from zerodram.runtime.loading.random_init import random_weights
+from zerodram.runtime.model.attention import PagedAttention
+from zerodram.runtime.model.config import ModelConfig
+from zerodram.runtime.model.transformer import Transformer
+
+# A tiny random MoE whose head dim the kernels take (64); G = 3 as in SmolLM2.
+TINY64 = ModelConfig(
+    arch="mixtral", vocab_size=256, hidden_size=96, num_layers=2, num_heads=6, num_kv_heads=2,
+    head_dim=64, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=512,
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
+
+def _randomize_params(kv: RuntimeKVPartition, g: torch.Generator) -> None:
+    """Non-trivial anchors on both sides and a key center, as calibration would set them (the
+    uncalibrated defaults are anchors of 1 and no center, which would hide a mix-up)."""
+    for cache in kv.caches:
+        kp, vp = cache.params
+        H, D = kp.anchor.shape
+        kp = dataclasses.replace(
+            kp, anchor=torch.rand(H, D, generator=g) + 0.5, center=torch.randn(H, D, generator=g)
+        )
+        vp = dataclasses.replace(vp, anchor=torch.rand(H, D, generator=g) + 0.5)
+        cache.params = (kp, vp)
+
+
+@pytest.mark.parametrize(
+    ("spec", "Hq", "Hkv", "D"),
+    [
+        ("fp2", 8, 2, 128),
+        ("fp2:sinks=4,tail=1,window=5", 6, 2, 64),
+        ("fp2:sinks=2,tail=8,window=3,rot=0,scale=e8m0", 4, 4, 64),
+    ],
+)
+def test_fused_equals_gather_sdpa_per_layer(spec: str, Hq: int, Hkv: int, D: int) -> None:
+    """Random caches over several pages (sinks, FP2 pages and a bf16 tail), every layer."""
+    g = torch.Generator().manual_seed(7)
+    kv = RuntimeKVPartition(spec, 2, Hkv, D, 40, 32, torch.float32, torch.device("cpu"))
+    _randomize_params(kv, g)
+    lengths = [1, 3, 9, 33, 70, 130]
+    for sid, n in enumerate(lengths):
+        kv.reserve(sid, n + 4)
+        for layer in range(2):
+            k, v = torch.randn(n, Hkv, D, generator=g) * 2, torch.randn(n, Hkv, D, generator=g)
+            kv.write(layer, sid, 0, k[: n // 2], v[: n // 2])  # a chunk, then token by token
+            for pos in range(n // 2, n):
+                kv.write(layer, sid, pos, k[pos : pos + 1], v[pos : pos + 1])
+    fused = make_decode_attention(kv, num_q_heads=Hq, scale=D**-0.5, max_batch=8)
+    assert isinstance(fused, Fp2FusedDecode)
+    gather = PagedAttention(kv, D**-0.5)
+    seq_ids = tuple(range(len(lengths)))
+    for layer in range(2):
+        q = torch.randn(len(lengths), Hq, D, generator=g) * 2  # [B, Hq, Dh]
+        got = fused(layer, q, seq_ids, tuple(lengths))
+        want = gather.decode(layer, q, seq_ids, tuple(lengths))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # a subset in another order, then a slot reused by a new sequence with the same id
+    sub = (4, 0, 2)
+    q = torch.randn(3, Hq, D, generator=g)
+    torch.testing.assert_close(
+        fused(0, q, sub, tuple(lengths[s] for s in sub)),
+        gather.decode(0, q, sub, tuple(lengths[s] for s in sub)),
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+    kv.free(4)
+    kv.reserve(4, 80)
+    for layer in range(2):
+        kv.write(layer, 4, 0, torch.randn(75, Hkv, D, generator=g), torch.randn(75, Hkv, D, generator=g))
+    torch.testing.assert_close(
+        fused(0, q, sub, (75, lengths[0], lengths[2])),
+        gather.decode(0, q, sub, (75, lengths[0], lengths[2])),
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", ["fp2:kblk=t32", "fp2:vcenter=1", "fp2:scale=bf16", "bf16"])
+def test_formats_the_kernels_cannot_read_keep_the_gather_path(spec: str, caplog) -> None:
+    kv = RuntimeKVPartition(spec, 1, 2, 64, 4, 32, torch.float32, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="zerodram.engine"):
+        assert make_decode_attention(kv, num_q_heads=4, scale=0.125, max_batch=4) is None
+    if spec != "bf16":
+        assert "gather + SDPA" in caplog.text
+
+
+def _tiny_engine(kv: str, fused: bool, max_num_seqs: int = 4) -> Engine:
+    model = Transformer(TINY64, random_weights(TINY64, None, 0, seed=3, dtype=torch.float32))
+    cfg = EngineConfig(
+        kv_format=kv, num_kv_pages=32, page_size=32, fused_decode=fused,
+        scheduler=SchedulerConfig(max_num_seqs, 16, 8),
+    )  # fmt: skip
+    return Engine(model, cfg)
+
+
+def _record_logits(engine: Engine) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    forward = engine.model.forward
+
+    def wrapped(batch, attn):
+        out = forward(batch, attn)
+        seen.append(out.clone())
+        return out
+
+    engine.model.forward = wrapped
+    return seen
+
+
+def test_engine_fused_matches_gather_on_a_tiny_random_model() -> None:
+    """Greedy tokens identical and every step's logits within 1e-3 (fp32, ~70 decode steps with a
+    short window so tokens cross the bf16 tail into FP2 pages and a second page)."""
+    prompts = [[3, 17, 99, 5, 42, 7, 11, 64, 2, 90, 1, 2, 3, 4], [1, 2, 3], [9, 9, 9, 9, 120, 33]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = "fp2:sinks=2,tail=4,window=4"
+    runs = {}
+    for fused in (True, False):
+        engine = _tiny_engine(spec, fused)
+        assert isinstance(engine.attn.decode, Fp2FusedDecode) == fused
+        logits = _record_logits(engine)
+        runs[fused] = ([o.token_ids for o in engine.generate(prompts, params)], logits)
+    (tok_f, log_f), (tok_g, log_g) = runs[True], runs[False]
+    assert tok_f == tok_g
+    assert len(log_f) == len(log_g)
+    for a, b in zip(log_f, log_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_engine_fused_matches_gather_on_smollm2(capsys: pytest.CaptureFixture) -> None:
+    from zerodram.runtime.engine.build import build_engine
+    from zerodram.runtime.errors import ConfigError
+    from zerodram.runtime.loading.checkpoint import ModelSpec, checkpoint_dir
+    from zerodram.runtime.loading.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer(checkpoint_dir(ModelSpec.parse("smollm2")))
+    except ConfigError as err:
+        pytest.skip(str(err))
+    prompts = [tok.apply_chat([{"role": "user", "content": q}]) for q in SMOL_QUESTIONS]
+    spec = "fp2:tail=1,window=7"  # FP2 pages from the prompt on, and a flush every decode step
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = {}
+    for f in (True, False):
+        engine = build_engine("smollm2", None, EngineConfig(kv_format=spec, num_kv_pages=16, fused_decode=f))
+        assert isinstance(engine.attn.decode, Fp2FusedDecode) == f
+        got[f] = [o.token_ids for o in engine.generate(prompts, params)]
+    fused, gather = got[True], got[False]
+    with capsys.disabled():
+        for q, a, b in zip(SMOL_QUESTIONS, fused, gather, strict=True):
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            print(f"\nfused vs gather FP2 decode, {q!r}: first divergence at {first}")
+    assert fused == gather
