@@ -116,10 +116,10 @@ def _case(
             row["fp2_ms"], row["fp2_config"], row["splits"] = ms, name, att.plan(B, L)[0]
             best = att
     # The merge pass alone (bf16 sinks/tail + split partials), on the best variant's last output.
-    split_tokens = best.plan(B, L)[1]
+    num_splits, split_tokens = best.plan(B, L)
     row["merge_ms"] = _time(
         lambda: best.kernels.merge(
-            best.o_part[:B], best.ml_part[:B], best.zeros[:B], batch.fp2_len, split_tokens,
+            best.o_part[:B], best.ml_part[:B], best.zeros[:B], batch.fp2_len, split_tokens, num_splits,
             best.q16[:B], batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, best.out[:B],
         ),
         args.reps,

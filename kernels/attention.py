@@ -143,8 +143,9 @@ class Fp2Kernels:
         fp2_lo: torch.Tensor,
         fp2_hi: torch.Tensor,
         split_tokens: int,
+        num_splits: int,  # the decode launch's grid.x
         q: torch.Tensor,
-        hp_k: torch.Tensor,  # [B, Hkv, HP, D] bf16
+        hp_k: torch.Tensor,  # [num_slots, Hkv, HP, D] bf16, row hp_slot[b] for sequence b
         hp_v: torch.Tensor,
         hp_len: torch.Tensor,  # [B] int32
         hp_slot: torch.Tensor,  # [B] int32 row of hp_k / hp_v
@@ -157,7 +158,8 @@ class Fp2Kernels:
         if smem > 48 * 1024:
             raise ValueError(f"merge needs {smem} B of shared memory (splits {S}, bf16 tokens {hp_max}): over 48 KB")
         args = (
-            ptr(o_part), ptr(ml_part), ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(S),
+            ptr(o_part), ptr(ml_part), ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens),
+            np.int32(num_splits), np.int32(S),
             ptr(q), ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot),
             np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)), np.int32(hp_max), ptr(out),
         )  # fmt: skip

@@ -215,7 +215,7 @@ class Fp2DecodeAttention:
 
     CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
-    MIN_SPLIT_TOKENS = 1024  # >= 8 stages per warp, so the prologue and the combine stay small
+    MIN_SPLIT_TOKENS = 1024  # sets the most splits: ~8 stages per warp, prologue and combine stay small
 
     def plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
         """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only).
@@ -223,8 +223,9 @@ class Fp2DecodeAttention:
         The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
         partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
         about L / s + SPLIT_OVERHEAD_TOKENS token-times (prologue, combine, merge) and the kernel
-        ceil(N * s / slots) of them: take the s that minimises that (the smaller on ties), none
-        shorter than MIN_SPLIT_TOKENS; split_tokens is a multiple of the 32-token stage.
+        ceil(N * s / slots) of them: take the s that minimises that (the smaller on ties), with at
+        most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the 32-token stage, so
+        the last split holds the remainder (it may be short).
         """
         slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
         rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
@@ -293,7 +294,8 @@ class Fp2DecodeAttention:
         """Attention of q [B, Hq, D] (stored key space) -> [B, Hq, D] fp32 (stored value space).
 
         max_len: a host-side bound on fp2_len (default: max_fp2_tokens); it sizes the grid, so under
-        CUDA-graph capture pass the bound the graph must serve. On GPU the result is a view of a
+        CUDA-graph capture pass the bound the graph must serve. A sequence longer than the grid
+        covers gets NaN outputs (the merge kernel's check), never attention over part of it. On GPU the result is a view of a
         preallocated buffer, overwritten by the next call.
         """
         self.check(q, layer, batch)
@@ -314,7 +316,7 @@ class Fp2DecodeAttention:
             batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
         )  # fmt: skip
         k.merge(
-            o_part, ml_part, lo, batch.fp2_len, split_tokens, q16, batch.hp_k, batch.hp_v, batch.hp_len,
+            o_part, ml_part, lo, batch.fp2_len, split_tokens, num_splits, q16, batch.hp_k, batch.hp_v, batch.hp_len,
             batch.hp_slot, out,
         )  # fmt: skip
         return out
@@ -333,6 +335,10 @@ class Fp2Writer:
     ) -> None:  # fmt: skip
         if k_rule not in ("absmax", "mse") or v_rule not in ("absmax", "mse"):
             raise ConfigError(f"the write kernel implements absmax and mse, got {k_rule!r} / {v_rule!r}")
+        if scale_dtype not in ("e4m3", "e8m0"):
+            raise ConfigError(f"the write kernel writes e4m3 or e8m0 scales, got {scale_dtype!r}")
+        if head_dim not in (64, 128) or head_dim % k_block or head_dim % v_block:
+            raise ConfigError(f"blocks ({k_block}, {v_block}) must divide a head dim of 64 or 128, got {head_dim}")
         self.head_dim, self.k_block, self.v_block, self.scale_dtype = head_dim, k_block, v_block, scale_dtype
         self.rules = (k_rule, v_rule)
         self.device = canonical_device(device)

@@ -237,6 +237,23 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
+    """A grid sized for max_len cannot cover a longer sequence: that sequence's output must be NaN
+    (loud), the others exact."""
+    D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
+    lengths = [5000, 300]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(5)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    batch = random_decode_batch(lengths, [4, 4], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=8192)
+    q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
+    out = att(q, layer, batch, max_len=1024).clone()  # 1 split of 1024 tokens
+    assert out[0].isnan().all()
+    assert _rel(out[1], reference_decode(q, layer, batch, att.softmax_scale, "e4m3")[1]) < 3e-3
+
+
+@pytest.mark.gpu
 def test_gpu_decode_under_cuda_graph() -> None:
     D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
     lengths = [500, 64, 1]

@@ -48,14 +48,10 @@ ZD_DEVICE uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy; src_bytes 0 writes zeros (used for tokens outside the range, so
-// that garbage scale bytes of unwritten slots can never become NaN in the kernel).
+// 16-byte global -> shared copy of the first src_bytes bytes, the rest zero-filled (the decode kernel
+// always copies whole 16-byte chunks; it masks tokens outside its range after the MMA instead).
 ZD_DEVICE void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-ZD_DEVICE void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 ZD_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -68,6 +64,14 @@ ZD_DEVICE float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// (a & b) | c in one LOP3. Written as PTX with register operands because LOP3 takes at most one
+// immediate: the plain C++ form with two constants compiles to two instructions.
+ZD_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
 }
 
 ZD_DEVICE uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
@@ -143,7 +147,7 @@ ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
   const uint32_t ws[4] = {shl_fma<4>(w), shl_fma<2>(w), w, shr_fma<2>(w)};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    const uint32_t sel = (ws[s] & 0x30303030u) | 0x04040404u;
+    const uint32_t sel = and_or(ws[s], 0x30303030u, 0x04040404u);
     out[2 * s] = prmt(t, 0u, sel);
     out[2 * s + 1] = prmt(t, 0u, shr_fma<16>(sel));
   }

@@ -308,27 +308,31 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
   // Page ids of the warp's stages, prefetched 32 stages at a time: lane l of `pages_cur` holds the
-  // page of the warp's local stage 32c + l (chunk c), `pages_next` those of chunk c + 1. Reading
-  // the block table right before each cp.async would stall the warp on a dependent global load
-  // (an L2 round trip) every stage; a shuffle from a register loaded a chunk ahead does not.
+  // page of the warp's local stage 32c + l (chunk c), `pages_next` those of chunk c + 1, and
+  // `slots_*` the stage's first slot in that page. Reading the block table right before each
+  // cp.async would stall the warp on a dependent global load (an L2 round trip) every stage, and
+  // the integer division by page_size costs ~25 instructions: both now happen once per chunk.
   const int32_t* bt = block_table + size_t(b) * bt_stride;
-  auto load_pages = [&](int chunk) -> int {
+  auto load_pages = [&](int chunk, int& page, int& slot) {
     const int si = warp + (32 * chunk + lane) * NUM_WARPS;
-    return si < num_stages ? bt[(r_lo + si * TOK) / page_size] : 0;
+    const int f = r_lo + si * TOK;  // first token of the stage
+    page = si < num_stages ? bt[f / page_size] : 0;
+    slot = f % page_size;
   };
-  int pages_cur = load_pages(0), pages_next = load_pages(1);
+  int pages_cur, slots_cur, pages_next, slots_next;
+  load_pages(0, pages_cur, slots_cur);
+  load_pages(1, pages_next, slots_next);
   // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
   // Called by the whole warp with the same j, in increasing order (the page chunks advance here).
   auto issue = [&](int j, int slot) {
     if (j > 0 && (j & 31) == 0) {
       pages_cur = pages_next;
-      pages_next = load_pages((j >> 5) + 1);
+      slots_cur = slots_next;
+      load_pages((j >> 5) + 1, pages_next, slots_next);
     }
     const long long page = __shfl_sync(0xffffffffu, pages_cur, j & 31);
-    const int stage_idx = warp + j * NUM_WARPS;
-    if (stage_idx < num_stages) {
-      const int f = r_lo + stage_idx * TOK;  // first token of the stage
-      const int pos = f % page_size;  // slot of the stage's first token in its page
+    const int pos = __shfl_sync(0xffffffffu, slots_cur, j & 31);  // slot of the stage's first token
+    if (warp + j * NUM_WARPS < num_stages) {
       const long long coff = page * code_page_stride + kvh * code_head_stride + (long long)pos * WPR;
       load_stage(ring + slot, lane, k_codes + coff, v_codes + coff,
                  k_scales + page * ks_page_stride + kvh * ks_head_stride + (long long)pos * NBK,

@@ -28,7 +28,7 @@ constexpr int TOK = 32;  // stage size of attn_fp2_decode: split boundaries are 
 }  // namespace
 
 // o_part [B, Hq, max_splits, D], ml_part [B, Hq, max_splits, 2]: from attn_fp2_decode
-// fp2_lo / fp2_hi [B]: the FP2 token range given to attn_fp2_decode
+// fp2_lo / fp2_hi [B]: the FP2 token range given to attn_fp2_decode; num_splits: its grid's splits
 // q [B, Hq, D] fp16 (the decode kernel's query)
 // hp_k / hp_v: bf16, token j of seq b, kv head h at + hp_slot[b] * hp_b_stride + h * hp_h_stride + j * D
 // hp_len [B]: bf16 tokens of each sequence (rows 0..hp_len-1, <= hp_max); hp_slot [B]: its row
@@ -37,7 +37,7 @@ constexpr int TOK = 32;  // stage size of attn_fp2_decode: split boundaries are 
 extern "C" __global__ void __launch_bounds__(kThreads)
     attn_fp2_merge(const float* __restrict__ o_part, const float* __restrict__ ml_part,
                    const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
-                   int max_splits, const __half* __restrict__ q, const __nv_bfloat16* __restrict__ hp_k,
+                   int num_splits, int max_splits, const __half* __restrict__ q, const __nv_bfloat16* __restrict__ hp_k,
                    const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
                    const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max, float* __restrict__ out) {
   extern __shared__ float smem[];
@@ -45,6 +45,14 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   const int num_q_heads = gridDim.x * GROUP;
   const int lo = fp2_lo[b], hi = fp2_hi[b];
   const int n_splits = hi > lo ? (hi - (lo & ~(TOK - 1)) + split_tokens - 1) / split_tokens : 0;
+  if (n_splits > num_splits) {
+    // fp2_hi beyond the bound the decode grid was sized for (max_len): its last tokens were never
+    // read and the split slots past num_splits hold stale data. Fail loudly: NaN, never a quiet
+    // answer over part of the sequence.
+    for (int i = threadIdx.x; i < GROUP * D; i += kThreads)
+      out[(size_t(b) * gridDim.x * GROUP + kvh * GROUP) * D + i] = __int_as_float(0x7fc00000);
+    return;
+  }
   const int n_hp = min(hp_len[b], hp_max);
   const int width = max_splits + hp_max;
   float* wts = smem;                       // [G, max_splits + hp_max]: split then hp logits -> weights
