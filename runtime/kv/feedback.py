@@ -58,7 +58,7 @@ def feedback_codes(
     exactly (sparse outliers: no rounding error to feed forward). Returns uint8 [T, H, D].
     Ties and clipping follow `nearest_code`.
     """
-    T, H, D = y.shape
+    D = y.shape[-1]
     # Channel-major copies, so that each step reads and updates contiguous rows; the factor's rows
     # are divided by their diagonal once. The loop is sequential over channels (D steps): on a
     # decode write (T = 1) its cost is the number of tensor ops per step, so keep it small.
