@@ -54,5 +54,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
-    add_engine_args(p, default_kv="fp2")
+    add_engine_args(p)
     p.set_defaults(func=_cmd)

@@ -19,6 +19,7 @@ import torch
 
 from zerodram.runtime.engine.fp2_decode import make_decode_attention
 from zerodram.runtime.engine.graphs import DecodeGraphs
+from zerodram.runtime.engine.calibration import CALIB_TOKENS, engine_calibration
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
 from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
 from zerodram.runtime.engine.sampler import make_generator, sample
@@ -30,10 +31,13 @@ from zerodram.runtime.model.transformer import Transformer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """kv_format: "fp2", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens per rank.
-    cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md).
+    """kv_format: "fp2[:options]", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens
+    per rank. cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md).
     fused_decode: FP2 decode rows run the fused decode attention when the kernels read the format
-    (False: read the pages back and run SDPA, the reference path)."""
+    (False: read the pages back and run SDPA, the reference path).
+    kv_calibration: "auto" (compute the FP2 constants at construction when the format needs them),
+    "none", or a file saved earlier; kv_calibration_tokens: prefill length of "auto";
+    kv_calibration_save: write the constants there (runtime/engine/calibration.py)."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -42,11 +46,19 @@ class EngineConfig:
     max_model_len: int | None = None
     cuda_graphs: bool = False
     fused_decode: bool = True
+    kv_calibration: str = "auto"
+    kv_calibration_tokens: int = CALIB_TOKENS
+    kv_calibration_save: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:
             raise ConfigError(
                 f"num_kv_pages and page_size must be >= 1, got {self.num_kv_pages}, {self.page_size}"
+            )
+        if self.kv_calibration_tokens < 1 or not self.kv_calibration:
+            raise ConfigError(
+                f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
+                f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
             )
 
 
@@ -96,15 +108,27 @@ class Engine:
         self.on_step = on_step
         mc = model.config
         self.device = model.device
+        cfg = self.config
+        self.kv_calibration = engine_calibration(
+            model,
+            cfg.kv_format,
+            cfg.kv_calibration,
+            tokenizer=tokenizer,
+            ctx=ctx,
+            num_tokens=cfg.kv_calibration_tokens,
+            chunk=cfg.scheduler.max_step_tokens,
+            save_path=cfg.kv_calibration_save,
+        )
         self.kv: KVPartition = make_kv_partition(
-            self.config.kv_format,
+            cfg.kv_format,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-            self.config.num_kv_pages,
-            self.config.page_size,
+            cfg.num_kv_pages,
+            cfg.page_size,
             model.dtype,
             self.device,
+            kv_params=self.kv_calibration.params if self.kv_calibration is not None else None,
         )
         scale = mc.head_dim**-0.5
         decode = None

@@ -26,14 +26,44 @@ from zerodram.runtime.engine.engine import EngineConfig
 from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.format import DEFAULT_FP2
 
 KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = "fp2") -> None:
+def kv_format_arg(text: str) -> str:
+    """`--kv`: one of KV_FORMATS or an FP2 spec `fp2:key=value,...` (checked here, at the edge)."""
+    from zerodram.runtime.kv.format import parse_kv_spec
+
+    if text in KV_FORMATS:
+        return text
+    if not text.startswith("fp2:"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(KV_FORMATS)} or fp2:OPTIONS")
+    try:
+        parse_kv_spec(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2) -> None:
     """The engine options shared by generate, serve and demo."""
     p.add_argument("--model", default="smollm2", help="smollm2 | HF dir | file.gguf | random:NAME")
-    p.add_argument("--kv", choices=KV_FORMATS, default=default_kv, help="KV page format")
+    p.add_argument(
+        "--kv",
+        type=kv_format_arg,
+        default=default_kv,
+        help=f"KV page format: {' | '.join(KV_FORMATS)} | fp2:OPTIONS (docs/fp2-format.md); "
+        f"default {default_kv} (calibrated at start, see --kv-calibration); bare fp2 needs no calibration",
+    )
+    p.add_argument(
+        "--kv-calibration",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="FP2 constants: auto = computed at start when the format needs them (error feedback, "
+        "centers, cal levels, anchors), none = uncalibrated fallbacks, PATH = a saved file",
+    )
+    p.add_argument("--kv-calibration-save", default=None, metavar="PATH", help="save the FP2 constants here")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights / compute dtype")
     p.add_argument("--experts", type=int, default=None, help="experts to slice a dense model into")
     p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages per rank")
@@ -47,6 +77,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = "fp2") -> N
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         kv_format=args.kv,
+        kv_calibration=args.kv_calibration,
+        kv_calibration_save=args.kv_calibration_save,
         num_kv_pages=args.num_kv_pages,
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
@@ -58,7 +90,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
     from zerodram.runtime.engine.build import build_engine
 
     try:
-        return build_engine(
+        engine = build_engine(
             args.model,
             ctx,
             engine_config(args),
@@ -67,8 +99,11 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
             ep_backend=args.ep_backend,
             **kw,
         )
+        if engine.kv_calibration is not None and getattr(ctx, "rank", 0) == 0:
+            print(engine.kv_calibration.summary, file=sys.stderr, flush=True)
+        return engine
     except ConfigError as err:
-        if args.kv != "fp2" or "runtime/kv" not in str(err):
+        if not args.kv.startswith("fp2") or "runtime/kv" not in str(err):
             raise
         if getattr(ctx, "rank", 0) == 0:
             print(f"note: {err}; using bf16 KV pages", file=sys.stderr)

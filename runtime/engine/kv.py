@@ -11,6 +11,7 @@ importable and adapts it, and falls back to `TorchPagedKV` for the full-precisio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -156,15 +157,20 @@ def make_kv_partition(
     page_size: int,
     compute_dtype: torch.dtype,
     device: torch.device,
+    kv_params: Sequence[tuple] | None = None,
 ) -> KVPartition:
-    """The rank's KV partition in `kv_format` ("fp2", "fp8", "bf16", "fp16", "fp32").
+    """The rank's KV partition in `kv_format` ("fp2[:options]", "fp8", "bf16", "fp16", "fp32").
 
     fp2 / fp8 / bf16 use runtime/kv's paged caches (page size a multiple of 32); fp32 / fp16 (and
-    bf16 when runtime/kv is unavailable) use `TorchPagedKV`.
+    bf16 when runtime/kv is unavailable) use `TorchPagedKV`. kv_params: FP2 only, (k, v)
+    `SideParams` per layer (the engine's calibration); None: the format's uncalibrated constants.
 
     Raises:
-        ConfigError: the format needs runtime/kv and it is not available, or a bad page size.
+        ConfigError: the format needs runtime/kv and it is not available, a bad page size, or
+            params for a format without any.
     """
+    if kv_params is not None and not kv_format.startswith("fp2"):
+        raise ConfigError(f"KV params were given for {kv_format!r}, which takes none (FP2 only)")
     if kv_format in ("fp32", "fp16"):
         return TorchPagedKV(
             num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
@@ -173,7 +179,7 @@ def make_kv_partition(
         from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
 
         return RuntimeKVPartition(
-            kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device
+            kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
         )
     except ImportError as err:
         if kv_format == "bf16":

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 
-from zerodram.runtime.errors import ZerodramError
+from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.errors import KVCapacityError
 
 
@@ -35,11 +36,16 @@ class RuntimeKVPartition:
         page_size: int,
         compute_dtype: torch.dtype,
         device: torch.device,
+        params: Sequence[tuple] | None = None,
     ) -> None:
         from zerodram.runtime.kv.cache import make_kv_cache
 
         self.kv_format, self.num_pages, self.compute_dtype = kv_format, num_pages, compute_dtype
         max_seqs = min(num_pages, 256)
+        if params is not None and len(params) != num_layers:
+            raise ConfigError(f"KV params for {len(params)} layers, the model has {num_layers}")
+        # FP2 caches take their layer's (k, v) SideParams, e.g. from the engine's calibration
+        extra = [{} if params is None else {"params": params[i]} for i in range(num_layers)]
         self.caches = [
             make_kv_cache(
                 kv_format,
@@ -50,6 +56,7 @@ class RuntimeKVPartition:
                 max_seqs=max_seqs,
                 device=device,
                 layer_idx=i,
+                **extra[i],
             )
             for i in range(num_layers)
         ]

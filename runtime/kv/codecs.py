@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from zerodram.runtime.kv.format import DenseSpec, Fp2Spec, IntSpec, KVSpec, TailRule, bits_per_elem, tail_rule
-from zerodram.runtime.kv.params import LayerSample, side_params
+from zerodram.runtime.kv.params import LayerSample, layer_params
 from zerodram.runtime.kv.quantize import SideParams, fake_quantize
 
 
@@ -130,14 +130,7 @@ class Fp2Codec(SequenceCodec):
         self.rule = tail_rule(spec)
         self.params: list[tuple[SideParams, SideParams]] = []
         for layer in range(num_layers):
-            sample = (samples or {}).get(layer)
-            kw = {"layer_idx": layer, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "spec": spec}
-            self.params.append(
-                (
-                    side_params(spec.k, name="k", sample=sample, **kw),
-                    side_params(spec.v, name="v", sample=sample, **kw),
-                )
-            )
+            self.params.append(layer_params(spec, layer, num_kv_heads, head_dim, (samples or {}).get(layer)))
 
     def _side(self, x, side, params, what, layer_idx):
         # staged: the stored-space values are rounded to bf16 before quantization, as in the paged

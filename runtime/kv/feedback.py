@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zerodram.runtime.kv.levels import nearest_code
+from zerodram.runtime.kv.levels import midpoints
 
 # Ridge added to W before inverting, relative to its mean diagonal: keeps the factor well conditioned
 # when calibration leaves directions unexplored (0.01 and 0.1 measured the same on SmolLM2).
@@ -58,17 +58,26 @@ def feedback_codes(
     exactly (sparse outliers: no rounding error to feed forward). Returns uint8 [T, H, D].
     Ties and clipping follow `nearest_code`.
     """
-    y = y.float().clone()
-    codes = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
-    lv = levels.to(y.device).float()
     D = y.shape[-1]
+    # Channel-major copies, so that each step reads and updates contiguous rows; the factor's rows
+    # are divided by their diagonal once. The loop is sequential over channels (D steps): on a
+    # decode write (T = 1) its cost is the number of tensor ops per step, so keep it small.
+    yc = y.float().permute(2, 0, 1).contiguous()  # [D, T, H]
+    sc = torch.broadcast_to(scales, y.shape).float().permute(2, 0, 1).contiguous()
+    oc = None if offsets is None else torch.broadcast_to(offsets, y.shape).float().permute(2, 0, 1).contiguous()
+    keep = None if exact is None else (~exact).permute(2, 0, 1).float()  # 0 where kept exactly
+    rows = (factor.float() / factor.diagonal(dim1=-2, dim2=-1)[..., None]).permute(1, 2, 0)  # [D, D, H]
+    rows = rows.contiguous()
+    lv = levels.to(y.device).float()
+    mids = midpoints(lv)
+    codes = []
     for c in range(D):
-        off = 0.0 if offsets is None else offsets[..., c]
-        code = nearest_code((y[..., c] - off) / scales[..., c], lv)  # [T, H]
-        err = y[..., c] - (lv[code.long()] * scales[..., c] + off)
-        if exact is not None:
-            err = torch.where(exact[..., c], 0.0, err)
-        codes[..., c] = code
+        x = yc[c] if oc is None else yc[c] - oc[c]  # [T, H]
+        code = torch.bucketize(x / sc[c], mids, right=True)
+        codes.append(code)
         if c + 1 < D:
-            y[..., c + 1 :] -= (err / factor[:, c, c])[..., None] * factor[:, c, c + 1 :]
-    return codes
+            err = x - lv[code] * sc[c]  # offsets cancel: (y - o) - (L s)
+            if keep is not None:
+                err = err * keep[c]
+            yc[c + 1 :].addcmul_(rows[c, c + 1 :, None, :], err, value=-1.0)
+    return torch.stack(codes, -1).to(torch.uint8)  # [T, H, D]

@@ -16,7 +16,7 @@ from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
 from zerodram.runtime.kv.pack import pack_codes, unpack_codes
-from zerodram.runtime.kv.params import side_params
+from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
     _block_view,
@@ -73,8 +73,7 @@ class Fp2KVCache(KVCache):
         self.spec = spec
         H, D, P, dev = self.num_kv_heads, self.head_dim, self.page_size, self.device
         if params is None:
-            kw = {"layer_idx": self.layer_idx, "num_kv_heads": H, "head_dim": D, "spec": spec}
-            params = (side_params(spec.k, name="k", **kw), side_params(spec.v, name="v", **kw))
+            params = layer_params(spec, self.layer_idx, H, D)
         self.params = tuple(p.to(dev) for p in params)
         self.k = _SidePages(spec.k, self.num_pages, H, P, D, dev)
         self.v = _SidePages(spec.v, self.num_pages, H, P, D, dev)
@@ -97,42 +96,47 @@ class Fp2KVCache(KVCache):
 
     # -- writing --
     def _write(self, seq_id, pos0, k, v):
-        S, F = self.spec.num_sinks, self.spec.tail_tokens
-        yk = to_stored_space(k, self.params[0]).to(torch.bfloat16)  # [T, H, D]
-        yv = to_stored_space(v, self.params[1]).to(torch.bfloat16)
-        n = pos0
-        for j in range(k.shape[0]):
-            row = n if n < S else S + (n - S - self._flushed(n))
-            self.hp_k[seq_id, :, row] = yk[j]
-            self.hp_v[seq_id, :, row] = yv[j]
-            n += 1
-            if self._flushed(n) > self._flushed(n - 1):
-                self._flush(seq_id, S + self._flushed(n - 1))
-                tail = self.rule.window  # rows left after the flush
-                for hp in (self.hp_k, self.hp_v):
-                    hp[seq_id, :, S : S + tail] = hp[seq_id, :, S + F : S + F + tail].clone()
-
-    def _flush(self, seq_id: int, first: int) -> None:
-        """Quantize the oldest F tail rows (tokens first..first+F-1) into the FP2 pages."""
-        S, F = self.spec.num_sinks, self.spec.tail_tokens
-        j = first - S  # index among FP2 tokens
-        page = self.tables.pages[seq_id][j // self.page_size]
-        r0 = j % self.page_size
-        for pages, hp, side, params in (
-            (self.k, self.hp_k, self.spec.k, self.params[0]),
-            (self.v, self.hp_v, self.spec.v, self.params[1]),
+        # All flushes of one append are quantized in one call: a flush quantizes its F bf16 rows
+        # independently of every other flush (blocks never straddle flushes: token blocks divide
+        # F), so this writes exactly the pages that token-by-token appends write, without a
+        # Python-level pass per flush (error feedback costs a D-step loop per call).
+        S = self.spec.num_sinks
+        n1 = pos0 + k.shape[0]
+        f0, f1 = self._flushed(pos0), self._flushed(n1)
+        n_sink = max(0, min(S, n1) - pos0)  # new tokens that are sinks
+        n_tail = max(0, pos0 - S - f0)  # tail rows held before this append
+        for pages, hp, side, params, x in (
+            (self.k, self.hp_k, self.spec.k, self.params[0], k),
+            (self.v, self.hp_v, self.spec.v, self.params[1], v),
         ):
-            y = hp[seq_id, :, S : S + F].float().transpose(0, 1)  # [F, H, D]
-            codes, scales, offsets = quantize_stored(y, side, params)  # codes [F, H, D]
-            pages.codes[page, :, r0 : r0 + F] = pack_codes(codes).transpose(0, 1)
-            if side.block_axis == "channel":
-                dst = (page, slice(None), slice(r0, r0 + F))
-            else:
-                bs = side.block_size
-                dst = (page, slice(None), slice(r0 // bs, (r0 + F) // bs))
-            pages.scales[dst] = encode_scale(scales, side.scale_dtype).transpose(0, 1)
+            y = to_stored_space(x, params).to(torch.bfloat16)  # [T, H, D]
+            if n_sink:
+                hp[seq_id, :, pos0 : pos0 + n_sink] = y[:n_sink].transpose(0, 1)
+            # tokens S + f0 .. n1 - 1, oldest first: the held tail, then the new non-sink tokens
+            stream = torch.cat([hp[seq_id, :, S : S + n_tail].transpose(0, 1), y[n_sink:]])  # [., H, D]
+            if f1 > f0:
+                self._flush(seq_id, pages, side, params, f0, stream[: f1 - f0].float())
+            rest = stream[f1 - f0 :]
+            hp[seq_id, :, S : S + rest.shape[0]] = rest.transpose(0, 1)
+
+    def _flush(self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y) -> None:
+        """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
+        into their page rows."""
+        codes, scales, offsets = quantize_stored(y, side, params)  # codes [N, H, D]
+        words = pack_codes(codes)  # [N, H, D/16]
+        raw = encode_scale(scales, side.scale_dtype)
+        bs = 1 if side.block_axis == "channel" else side.block_size  # tokens per scale row
+        a = 0
+        while a < y.shape[0]:  # one page at a time
+            j = j0 + a
+            page, r0 = self.tables.pages[seq_id][j // self.page_size], j % self.page_size
+            b = min(y.shape[0], a + self.page_size - r0)
+            pages.codes[page, :, r0 : r0 + b - a] = words[a:b].transpose(0, 1)
+            dst = (page, slice(None), slice(r0 // bs, (r0 + b - a) // bs))
+            pages.scales[dst] = raw[a // bs : b // bs].transpose(0, 1)
             if pages.offsets is not None:
-                pages.offsets[dst] = offsets.to(torch.bfloat16).transpose(0, 1)
+                pages.offsets[dst] = offsets[a // bs : b // bs].to(torch.bfloat16).transpose(0, 1)
+            a = b
 
     def _copy_page(self, src, dst):
         self.k.copy(src, dst)

@@ -47,10 +47,16 @@ def round_levels_e5m2(levels: tuple[float, ...] | torch.Tensor) -> torch.Tensor:
 
 def named_levels(name: str) -> torch.Tensor:
     """e5m2-exact levels for 'sig' (the signature lattice) or 'lm' (Gaussian Lloyd-Max). # [4]"""
+    return torch.tensor(_named_levels(name))
+
+
+@functools.cache
+def _named_levels(name: str) -> tuple[float, ...]:
+    # cached: the 256-factor search takes ~20 ms, and every layer and side of a cache asks
     if name == "sig":
-        return round_levels_e5m2(SIGNATURE)
+        return tuple(round_levels_e5m2(SIGNATURE).tolist())
     if name == "lm":
-        return round_levels_e5m2(LLOYD_MAX_GAUSS)
+        return tuple(round_levels_e5m2(LLOYD_MAX_GAUSS).tolist())
     raise ValueError(f"levels {name!r} are not a named lattice (sig, lm); 'cal' needs calibration")
 
 

@@ -40,6 +40,44 @@ class LayerSample:
     k_pre: torch.Tensor | None = None
     o_proj: torch.Tensor | None = None
 
+    @classmethod
+    def from_attention(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        o_proj: torch.Tensor | None = None,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> LayerSample:
+        """A sample from one layer's attention inputs, token-major as a KV cache sees them.
+
+        q: [T, Hq, D] post-RoPE queries (Hq a multiple of H); k, v: [T, H, D], k post-RoPE;
+        o_proj: [hidden, Hq * D]; cos / sin: [T, D] of the positions, to recover the pre-RoPE keys
+        and queries (None: no pre-RoPE tensors). Everything is copied to fp32 on the CPU.
+
+        Raises:
+            ConfigError: mismatched shapes (message names them).
+        """
+        T, H, D = k.shape
+        if q.shape[0] != T or q.shape[2] != D or q.shape[1] % H or v.shape != k.shape:
+            raise ConfigError(
+                f"calibration sample: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                "do not share tokens and head dim, or query heads are not a multiple of KV heads"
+            )
+        cpu = lambda x: x.detach().to("cpu", torch.float32)  # noqa: E731
+        qt, kt = cpu(q).reshape(T, H, -1, D), cpu(k)  # [T, H, G, D], [T, H, D]
+        q_pre = k_pre = None
+        if cos is not None and sin is not None:
+            from zerodram.runtime.kv.codecs import invert_rope  # codecs imports this module
+
+            cos, sin = cpu(cos), cpu(sin)
+            k_pre = invert_rope(kt, cos, sin)
+            q_pre = invert_rope(qt.reshape(T, -1, D), cos, sin).reshape(qt.shape)
+        w = None if o_proj is None else cpu(o_proj).clone()
+        return cls(q=qt, k=kt, v=cpu(v), q_pre=q_pre, k_pre=k_pre, o_proj=w)
+
 
 def _rms(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.float().pow(2).mean(dims).sqrt().clamp_min(1e-6)
@@ -96,6 +134,21 @@ def side_params(
     if side.feedback:
         params = replace(params, feedback=feedback_factor(_error_weight(name, qr, anchor, rot, sample)))
     return params
+
+
+def layer_params(
+    spec: Fp2Spec, layer_idx: int, num_kv_heads: int, head_dim: int, sample: LayerSample | None = None
+) -> tuple[SideParams, SideParams]:
+    """(k_params, v_params) of one layer: from `sample` when given, else uncalibrated (see
+    `side_params`)."""
+    kw = {"layer_idx": layer_idx, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "spec": spec}
+    return side_params(spec.k, name="k", sample=sample, **kw), side_params(spec.v, name="v", sample=sample, **kw)
+
+
+def needs_calibration(spec: Fp2Spec) -> bool:
+    """True when some constant of `spec` comes from calibration data (anchors other than 'none',
+    centers, 'cal' levels, error feedback); without a sample these fall back (`side_params`)."""
+    return any(s.anchor != "none" or s.center or s.levels == "cal" or s.feedback for s in (spec.k, spec.v))
 
 
 def _error_weight(

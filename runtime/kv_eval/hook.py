@@ -225,17 +225,8 @@ class CodecSession:
         return o[None]
 
     def _record(self, layer, q0, k0, v0, cos, sin, o_proj) -> None:
-        from zerodram.runtime.kv.codecs import invert_rope
-
-        H, T, D = k0.shape
-        qt = q0.transpose(0, 1).float().reshape(T, H, -1, D)  # [T, H, G, D]
-        kt, vt = k0.transpose(0, 1).float(), v0.transpose(0, 1).float()
-        q_pre = k_pre = None
-        if cos is not None:
-            k_pre = invert_rope(kt, cos, sin)
-            q_pre = invert_rope(qt.reshape(T, -1, D), cos, sin).reshape(qt.shape)
-        w = None if o_proj is None else o_proj.detach().float().clone()
-        self.samples[layer] = LayerSample(q=qt, k=kt, v=vt, q_pre=q_pre, k_pre=k_pre, o_proj=w)
+        t = lambda x: x.transpose(0, 1)  # noqa: E731  [heads, T, D] -> [T, heads, D]
+        self.samples[layer] = LayerSample.from_attention(t(q0), t(k0), t(v0), o_proj=o_proj, cos=cos, sin=sin)
 
     def _set_rope(self, T: int) -> None:
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)

@@ -1,0 +1,90 @@
+"""Teacher-forced scoring through an engine's own model, attention and KV partition.
+
+Shape legend: T tokens of the text, C tokens of one chunk, V vocab.
+
+What a KV format costs the served model, measured without the quality harness (runtime/kv_eval,
+which runs transformers with fake quantization): the text is prefilled in chunks of C tokens on the
+engine's partition, with logits for every row. A chunk attends to its own tokens in full precision
+and to the earlier ones as the partition stores them (FP2 pages, bf16 sinks and window), so
+`chunk=1` is exactly what decode sees and a larger chunk sees up to C - 1 more full-precision keys
+(a slightly optimistic, much cheaper reading). One process only (an engine of one rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.model.batch import ForwardBatch, PrefillSegment
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """logprobs: [T - 1] log p(token t+1 | tokens <= t), fp32 CPU; logits: [T - 1, V] when kept."""
+
+    logprobs: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(-float(self.logprobs.mean()))
+
+
+def pydoc_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the pydoc help texts (the harness's text, from its start;
+    the engine calibrates on its end).
+
+    Raises:
+        ConfigError: the text is too short.
+    """
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode("\n".join(topics.values())[: num_tokens * 8])
+    if len(ids) < num_tokens:
+        raise ConfigError(f"pydoc text holds {len(ids)} tokens here, {num_tokens} requested")
+    return ids[:num_tokens]
+
+
+@torch.inference_mode()
+def score_tokens(engine, ids: list[int], *, chunk: int = 16, keep_logits: bool = False) -> TokenScores:
+    """Teacher-forced log-probabilities of `ids` on `engine` (see the module docstring).
+
+    The sequence takes len(ids) tokens of the engine's partition and is freed afterwards; call it on
+    an idle engine of one rank.
+
+    Raises:
+        ConfigError: a multi-rank engine, chunk < 1, fewer than 2 tokens.
+        KVCapacityError: the partition cannot hold the text.
+    """
+    if engine.world_size != 1:
+        raise ConfigError(f"score_tokens runs on a one-rank engine, this one has {engine.world_size}")
+    if chunk < 1 or len(ids) < 2:
+        raise ConfigError(f"need chunk >= 1 and at least 2 tokens, got {chunk}, {len(ids)}")
+    dev = engine.device
+    seq_id = engine.new_request_id()
+    engine.kv.reserve(seq_id, len(ids))
+    logp, rows = [], []
+    try:
+        for start in range(0, len(ids), chunk):
+            part = ids[start : start + chunk]
+            n = len(part)
+            batch = ForwardBatch(
+                token_ids=torch.tensor(part, dtype=torch.int64, device=dev),
+                positions=torch.arange(start, start + n, device=dev),
+                decode_seq_ids=(),
+                decode_positions=(),
+                prefill=(PrefillSegment(seq_id, start, n),),
+                logits_rows=torch.arange(n, device=dev),
+            )
+            logits = engine.model.forward(batch, engine.attn).float()  # [C, V]
+            nxt = torch.tensor(ids[start + 1 : start + n + 1], device=dev)  # the last chunk has one fewer
+            lp = torch.log_softmax(logits[: nxt.numel()], -1)
+            logp.append(lp.gather(1, nxt[:, None])[:, 0].cpu())
+            if keep_logits:
+                rows.append(logits[: nxt.numel()].cpu())
+    finally:
+        engine.kv.free(seq_id)
+    return TokenScores(torch.cat(logp), torch.cat(rows) if keep_logits else None)
