@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerodram.runtime.engine.calibration import CALIB_TOKENS, engine_calibration
 from zerodram.runtime.engine.fp2_decode import make_decode_attention
 from zerodram.runtime.engine.graphs import DecodeGraphs
-from zerodram.runtime.engine.calibration import CALIB_TOKENS, engine_calibration
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
 from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
 from zerodram.runtime.engine.sampler import make_generator, sample
