@@ -115,6 +115,13 @@ def test_gpu_fused_fp2_decode_per_layer_on_random_caches() -> None:
 @pytest.mark.parametrize(("model", "kv"), [("tiny", "bf16"), ("smollm2", "bf16"), ("smollm2", FP2_SPEC)])
 def test_gpu_cuda_graphs_give_the_eager_tokens(model: str, kv: str, tiny_mixtral) -> None:
     """cuda_graphs=True (piecewise graphs, padded buckets, dense local experts) vs eager decode."""
+    if model == "smollm2":
+        from zerodram.runtime.loading.checkpoint import ModelSpec
+
+        try:
+            ModelSpec.parse("smollm2")
+        except Exception as err:  # the package that carries the GGUF is missing
+            pytest.skip(f"packaged model unavailable: {err}")
     path = tiny_mixtral[0] if model == "tiny" else model
     prompts = PROMPTS if model == "tiny" else [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
     eager, _ = _greedy(path, CUDA, prompts, 16, kv)
