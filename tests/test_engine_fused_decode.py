@@ -33,12 +33,7 @@ TINY64 = ModelConfig(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _randomize_params(kv: RuntimeKVPartition, g: torch.Generator) -> None:

@@ -23,12 +23,7 @@ PROMPTS = [[3, 17, 99, 5, 42, 7, 11, 64, 2, 90], [1, 2, 3], [9, 9, 9, 9, 120, 33
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 9, 6, 3)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bucket_sizes() -> None:

@@ -16,13 +16,7 @@ from test_engine_support import MAX_TOKENS, PARITY_KV, PROMPTS, SMOL_QUESTIONS, 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a crowded 2-core machine OpenMP spin-waits make tiny ops 1000x slower."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TINY = {

@@ -6,21 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from zerodram.runtime.engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from zerodram.runtime.engine.build import build_engine
 from zerodram.runtime.engine.request import RequestError
 from zerodram.runtime.errors import ConfigError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a crowded 2-core machine OpenMP spin-waits make tiny ops 1000x slower."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [200, 3], [17] * 13, [40, 41, 42, 43]]

@@ -8,14 +8,7 @@ import torch
 from zerodram.runtime.engine.request import SamplingParams
 from zerodram.runtime.engine.sampler import make_generator, sample, top_p_filter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a crowded 2-core machine OpenMP spin-waits make tiny ops 1000x slower."""
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 CPU = torch.device("cpu")
