@@ -64,19 +64,27 @@ class DecodeBatch:
 def prepare_query(
     q: torch.Tensor, rotation: torch.Tensor | None, anchor: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> (q @ R_k) * anchor_k of its kv head, fp32 [B, Hq, D]."""
+    """q [B, Hq, D] -> (q @ R_k) * anchor_k of its kv head, fp32 [B, Hq, D].
+
+    anchor: [Hkv, D], repeated over the group here; group 1 takes an anchor already [Hq, D] as is.
+    """
     x = q.float()
     if rotation is not None:
         x = x @ rotation.to(x.device)
-    return x * anchor.to(x.device).repeat_interleave(group, dim=0)[None]
+    return x * _per_query_head(anchor.to(x.device), group)[None]
 
 
 def finish_output(
     o: torch.Tensor, rotation: torch.Tensor | None, anchor: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """o [B, Hq, D] in the stored value space -> (o * anchor_v) @ R_v^T, fp32."""
-    x = o.float() * anchor.to(o.device).repeat_interleave(group, dim=0)[None]
+    """o [B, Hq, D] in the stored value space -> (o * anchor_v) @ R_v^T, fp32 (anchor as in
+    `prepare_query`)."""
+    x = o.float() * _per_query_head(anchor.to(o.device), group)[None]
     return x @ rotation.to(o.device).T if rotation is not None else x
+
+
+def _per_query_head(anchor: torch.Tensor, group: int) -> torch.Tensor:
+    return anchor if group == 1 else anchor.repeat_interleave(group, dim=0)
 
 
 def dequantize_pages(
@@ -473,10 +481,10 @@ def layer_from_cache(cache) -> Fp2Layer:
 
 def batch_from_cache(cache, seq_ids: list[int]) -> DecodeBatch:
     """Block-table rows, FP2 and bf16 token counts of `seq_ids` (host bookkeeping -> device)."""
-    P, S = cache.page_size, cache.spec.num_sinks
+    P = cache.page_size
     lens = [cache.seq_len(s) for s in seq_ids]
     n_fp2 = [cache.rule.num_quantized(n) for n in lens]
-    hp = [min(n, S) + max(0, n - S - f) for n, f in zip(lens, n_fp2, strict=True)]
+    hp = [n - f for n, f in zip(lens, n_fp2, strict=True)]  # sinks + tail: all that is not FP2
     width = max(1, max((f + P - 1) // P for f in n_fp2))
     table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
     for b, (sid, f) in enumerate(zip(seq_ids, n_fp2, strict=True)):

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from zerodram.runtime.attention import DecodeBatch, Fp2DecodeAttention, Fp2Layer, layer_from_cache
+from zerodram.runtime.attention import (
+    DecodeBatch,
+    Fp2DecodeAttention,
+    Fp2Layer,
+    finish_output,
+    layer_from_cache,
+    prepare_query,
+)
 from zerodram.runtime.errors import ConfigError, ZerodramError
 
 log = logging.getLogger("zerodram.engine")
@@ -34,16 +41,14 @@ log = logging.getLogger("zerodram.engine")
 
 @dataclass(frozen=True)
 class _LayerConsts:
-    """One layer's kernel view and stored-space transforms, rebuilt if the cache's params change
-    (calibration replaces `cache.params`). q_anchor / v_anchor [Hq, Dh] (repeated over G);
-    k_rot, v_rot_t [Dh, Dh] or None."""
+    """One layer's kernel view and per-query-head anchors, rebuilt if the cache's params change
+    (calibration replaces `cache.params`). q_anchor / v_anchor [Hq, Dh] (repeated over G once,
+    not every step)."""
 
     params: tuple
     layer: Fp2Layer
-    k_rot: torch.Tensor | None
     q_anchor: torch.Tensor
     v_anchor: torch.Tensor
-    v_rot_t: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class Fp2FusedDecode:
             )
         self.kv, self.scale = kv, scale
         self.group = num_q_heads // c0.num_kv_heads
-        self.rule, self.num_sinks, self.page_size = c0.rule, spec.num_sinks, c0.page_size
+        self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
         self.attn = Fp2DecodeAttention(
             num_q_heads=num_q_heads,
@@ -119,10 +124,8 @@ class Fp2FusedDecode:
         c = _LayerConsts(
             params=cache.params,
             layer=layer_from_cache(cache),
-            k_rot=kp.rotation,
             q_anchor=kp.anchor.float().repeat_interleave(G, dim=0),  # [Hq, Dh]
             v_anchor=vp.anchor.float().repeat_interleave(G, dim=0),
-            v_rot_t=None if vp.rotation is None else vp.rotation.T.contiguous(),
         )
         self._consts[layer_idx] = c
         return c
@@ -132,7 +135,7 @@ class Fp2FusedDecode:
     def _meta(self, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> _StepMeta:
         """The step's DecodeBatch (host bookkeeping, one copy to the device)."""
         kv, cache0 = self.kv, self.kv.caches[0]
-        P, S, B = self.page_size, self.num_sinks, len(seq_ids)
+        P, B = self.page_size, len(seq_ids)
         slots = [kv._slots[s][0] for s in seq_ids]
         fp2 = [self.rule.num_quantized(n) for n in lengths]
         for sid, slot, f in zip(seq_ids, slots, fp2, strict=True):
@@ -150,16 +153,17 @@ class Fp2FusedDecode:
                 self._mirror_len[slot] = need
         max_fp2 = max(fp2)
         width = max(1, (max_fp2 + P - 1) // P)
-        # One host buffer, one copy to the device: fp2_len, hp_len, hp_slot [B] each, then the table.
-        host = torch.empty(3 * B + B * width, dtype=torch.int32)
+        # One host buffer (pinned on a GPU), one copy to the device: fp2_len, hp_len, hp_slot [B]
+        # each, then the table.
+        on_gpu = self.device.type == "cuda"
+        host = torch.empty(3 * B + B * width, dtype=torch.int32, pin_memory=on_gpu)
         host[:B] = torch.tensor(fp2, dtype=torch.int32)
-        host[B : 2 * B] = torch.tensor(
-            [min(n, S) + max(0, n - S - f) for n, f in zip(lengths, fp2, strict=True)], dtype=torch.int32
-        )
+        # bf16 tokens (sinks + the unflushed tail): all that is not FP2
+        host[B : 2 * B] = torch.tensor([n - f for n, f in zip(lengths, fp2, strict=True)], dtype=torch.int32)
         slot_idx = torch.tensor(slots, dtype=torch.int64)
         host[2 * B : 3 * B] = slot_idx
         host[3 * B :] = self._table[slot_idx, :width].flatten()  # rows past fp2_len are unread
-        dev = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        dev = host.to(self.device, non_blocking=True) if on_gpu else host
         batch = DecodeBatch(
             block_table=dev[3 * B :].view(B, width),
             fp2_len=dev[:B],
@@ -184,14 +188,10 @@ class Fp2FusedDecode:
             batch = DecodeBatch(
                 batch.block_table, batch.fp2_len, cache.hp_k, cache.hp_v, batch.hp_len, batch.hp_slot
             )
-        x = q.float()  # [B, Hq, Dh]
-        if c.k_rot is not None:
-            x = x @ c.k_rot
-        o = self.attn((x * c.q_anchor).contiguous(), c.layer, batch, max_len=meta.max_fp2_len)
-        o = o * c.v_anchor  # [B, Hq, Dh], stored value space -> rotated value space
-        if c.v_rot_t is not None:
-            o = o @ c.v_rot_t
-        return o.to(q.dtype)
+        kp, vp = c.params
+        x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [B, Hq, Dh] stored key space, fp32
+        o = self.attn(x, c.layer, batch, max_len=meta.max_fp2_len)  # stored value space
+        return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
 
 def make_decode_attention(kv, *, num_q_heads: int, scale: float, max_batch: int) -> Fp2FusedDecode | None:
