@@ -27,7 +27,9 @@ NUM_WARPS = 4  # (token, head) pairs per CTA
 
 def feedback_build_options(head_dim: int) -> BuildOptions:
     """Compile options of the kernel for one head dim."""
-    return BuildOptions.make(arch="sm_90", defines={"HEAD_DIM": head_dim, "NUM_WARPS": NUM_WARPS}, extra=("-lineinfo",))
+    return BuildOptions.make(
+        arch="sm_90", defines={"HEAD_DIM": head_dim, "NUM_WARPS": NUM_WARPS}, extra=("-lineinfo",)
+    )
 
 
 def supports_head_dim(head_dim: int) -> bool:
