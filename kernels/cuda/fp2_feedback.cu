@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(32 * NUM_WARPS)
 
       const float x = has_off ? __fsub_rn(v[i0], o[i0]) : v[i0];  // offsets cancel in the error
       const float z = __fdiv_rn(x, s[i0]);
-      // bucketize(z, mids, right=True): the number of midpoints m with !(z < m), NaN counting high
+      // bucketize(z, mids, right=True): the number of midpoints m with !(z < m) (an upper-bound search)
       const int k = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));
       if (lane == src) code[i0] = k;
       const float lvl = k == 0 ? lv0 : k == 1 ? lv1 : k == 2 ? lv2 : lv3;
