@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from zerodram.kernels.feedback import feedback_codes_cuda, supports_head_dim
 from zerodram.runtime.kv.levels import midpoints
 
 # Ridge added to W before inverting, relative to its mean diagonal: keeps the factor well conditioned
@@ -54,9 +55,41 @@ def feedback_codes(
     """Codes of y rounded channel by channel with error feedback.
 
     y: [T, H, D] fp32 stored-space values; scales / offsets: [T, H, D] per element (block values
-    broadcast); factor: [H, D, D] from `feedback_factor`; exact: [T, H, D] bool, elements kept
-    exactly (sparse outliers: no rounding error to feed forward). Returns uint8 [T, H, D].
-    Ties and clipping follow `nearest_code`.
+    broadcast; anything broadcastable to y); factor: [H, D, D] from `feedback_factor`; exact:
+    [T, H, D] bool, elements kept exactly (sparse outliers: no rounding error to feed forward).
+    Returns uint8 [T, H, D] on y's device. Ties and clipping follow `nearest_code`.
+
+    Backend, from y's device: on CUDA the kernel (kernels/feedback.py, one launch, codes identical
+    to this loop's on the same device), for every combination of offsets / exact; elsewhere, and
+    on CUDA for a head dim over the kernel's 256, `feedback_codes_reference` (the torch loop).
+
+    Raises:
+        KVInputError: shapes, dtypes or devices the kernel cannot take (after the casts below).
+    """
+    if y.is_cuda and supports_head_dim(y.shape[-1]):
+        # The reference's own casts and broadcasts (no copies for fp32 inputs: views, read in place).
+        return feedback_codes_cuda(
+            y.float(),
+            torch.broadcast_to(scales, y.shape).float(),
+            None if offsets is None else torch.broadcast_to(offsets, y.shape).float(),
+            levels.to(y.device).float().contiguous(),
+            factor.float().contiguous(),
+            exact,
+        )
+    return feedback_codes_reference(y, scales, offsets, levels, factor, exact)
+
+
+def feedback_codes_reference(
+    y: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    levels: torch.Tensor,
+    factor: torch.Tensor,
+    exact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`feedback_codes` as a plain torch loop on any device: the definition the kernel matches.
+
+    Same arguments and result; D sequential steps of ~6 tensor ops each.
     """
     D = y.shape[-1]
     # Channel-major copies, so that each step reads and updates contiguous rows; the factor's rows

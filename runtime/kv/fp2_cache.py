@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
@@ -75,6 +76,10 @@ class Fp2KVCache(KVCache):
         if params is None:
             params = layer_params(spec, self.layer_idx, H, D)
         self.params = tuple(p.to(dev) for p in params)
+        feedback = any(s.feedback and p.feedback is not None for s, p in zip((spec.k, spec.v), self.params, strict=True))
+        if feedback and dev.type == "cuda" and supports_head_dim(D):
+            # compile the error-feedback kernel now, not at the first flush (which may be timed)
+            load_feedback_kernel(D, dev)
         self.k = _SidePages(spec.k, self.num_pages, H, P, D, dev)
         self.v = _SidePages(spec.v, self.num_pages, H, P, D, dev)
         self.rule = tail_rule(spec)
