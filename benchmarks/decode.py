@@ -11,7 +11,8 @@ runs the decode step of B sequences whose KV already holds L tokens each, in fou
 
     attention        RMSNorm, q/k/v projections, RoPE, attention over the KV, o projection
     router+dispatch  RMSNorm, gate logits, top-k, rows to the experts' receive buffer
-    experts          grouped SwiGLU over the packed rows (+ the shared expert, if any)
+    experts          SwiGLU over the packed rows (+ the shared expert, if any), on the path the
+                     runtime picks for the step (runtime/moe/experts.py; GPU decode: the kernel)
     combine          rows back to their tokens, weighted sum
 
 Two paths, each on its own KV and communicator, the same weights and inputs:
@@ -180,6 +181,8 @@ class LayerBench:
         """Time `path` at batch B, context L; returns the JSON row."""
         import torch
 
+        from zerodram.runtime.moe.experts import choose_experts_path
+
         gen = torch.Generator(device=self.dev).manual_seed(1000 * B + L)
         cfg = self.cfg
         x = torch.randn(B, cfg.hidden_size, device=self.dev, generator=gen).to(torch.bfloat16)  # [B, D]
@@ -233,6 +236,7 @@ class LayerBench:
             "kv_bytes": floors["kv_bytes"],
             "weight_bytes": floors["weight_bytes"],
             "experts_touched": floors["experts_touched"],
+            "experts_path": choose_experts_path(h2, self.shard, out.topk_idx.numel()),
             "hbm_bytes_per_s": round(self.copy_bw),
             "device": self.device_name,
             "iters": iters,
@@ -351,7 +355,9 @@ class LayerBench:
         from zerodram.runtime.model.moe import SharedExpert
         from zerodram.runtime.moe.experts import grouped_swiglu
 
-        y = grouped_swiglu(out.recv_x, out.recv_expert_offsets, self.shard)  # [N, D]
+        # both paths: the runtime's choice for this step size (the decode kernel on a GPU), so that
+        # the comparison isolates the KV format and the dispatch
+        y = grouped_swiglu(out.recv_x, out.recv_expert_offsets, self.shard, sent_rows=out.topk_idx.numel())  # [N, D]
         w = self.w
         if "shared.gate" not in w:
             return y, None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install, run the GPU tests, time the benchmarks, keep raw output.
 #
-#   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe decode engine
+#   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe experts decode engine
 #
 # engine: the engine GPU tests (tests/test_engine_gpu.py: parity, fused FP2 decode, CUDA graphs), then
 # the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py).
@@ -38,7 +38,8 @@ for step in $steps; do
     dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-200} torchrun --nproc-per-node 4 --master-port 29511 \
                benchmarks/dispatch.py --iters 5 --warmup 2 --device-timeout 60 --json 2>&1 \
                | tee "$out/dispatch-4pe.log" | grep --line-buffered -v '^{' ;;
-    decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
+    experts) timeout ${T_EXPERTS:-200} python3 benchmarks/experts.py --json 2>&1 | tee "$out/experts.log" | grep -v '^{' ;;
+    decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     engine) { timeout ${T_ENGINE:-420} python3 -m pytest -q -s -p no:cacheprovider --timeout 120 tests/test_engine_gpu.py 2>&1;
               timeout ${T_ENGINE_STEP:-300} python3 benchmarks/engine_step.py --json 2>&1; } | tee "$out/engine.log" | grep -v '^{' | tail -60 ;;
     *) echo "unknown step $step" ;;

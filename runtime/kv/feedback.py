@@ -41,7 +41,7 @@ def feedback_factor(weight: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     ridge = damp * w.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
     w = w + ridge[:, None, None] * torch.eye(D, dtype=w.dtype, device=w.device)
     inv = torch.cholesky_inverse(torch.linalg.cholesky(w))
-    return torch.linalg.cholesky(inv, upper=True).float()
+    return torch.linalg.cholesky(inv, upper=True).float().contiguous()  # upper=True returns a transposed view
 
 
 def feedback_codes(

@@ -203,7 +203,7 @@ class _TimedEP:
             out = layer.comm.dispatch(x, topk_idx=topk_idx, topk_weight=topk_weight)
         with self.timer.phase("experts"):
             y = grouped_swiglu(
-                out.recv_x, out.recv_expert_offsets, layer.experts, layer.use_grouped
+                out.recv_x, out.recv_expert_offsets, layer.experts, layer.experts_path, sent_rows=out.topk_idx.numel()
             )  # [N, D]
         with self.timer.phase("combine"):
             return layer.comm.combine(y, out)

@@ -4,20 +4,37 @@ Shape legend: N packed rows, D hidden, F expert FFN dim, El local experts, Fs sh
 
     y = down(silu(gate(x)) * up(x))
 
-`grouped_swiglu` uses `torch._grouped_mm` when this torch has it for the device and dtype (probed
-once with a tiny problem), else one matmul per expert (which reads the counts on the host: not
-capturable in a CUDA graph).
+`grouped_swiglu` runs one of three paths (`ExpertsPath`):
+
+    kernel   decode-sized steps on CUDA, bf16: kernels/cuda/moe_experts.cu streams each active
+             expert's weights once with the few rows on the MMA's narrow side (an expert with more
+             than 32 rows re-reads its weights per 32, so bulk steps go to `grouped`)
+    grouped  `torch._grouped_mm` when this torch has it for the device and dtype (probed once with a
+             tiny problem): tiled for many rows per expert
+    loop     one matmul per expert (reads the counts on the host: not capturable in a CUDA graph);
+             the reference the other two are tested against
+
+Every path is capturable except `loop`, and none syncs the host except `loop`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from zerodram.runtime.errors import ConfigError
+
+ExpertsPath = Literal["kernel", "grouped", "loop"]
+EXPERTS_PATHS: tuple[ExpertsPath, ...] = ("kernel", "grouped", "loop")
+
+# A step is decode-sized when the rows this rank sent into the dispatch (tokens * top-k) are at most
+# this many per local expert: with balanced routing an expert then gets ~16 rows, and the kernel's
+# 32-row pass holds even a 2x hot expert in one read of its weights.
+KERNEL_ROWS_PER_EXPERT = 16
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -83,8 +100,33 @@ def has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def kernel_applies(x: torch.Tensor, shard: ExpertShard) -> bool:
+    """Whether the decode kernel takes these rows and weights (CUDA, bf16, dims multiple of 32)."""
+    from zerodram.kernels.experts import supports_shapes
+
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and shard.w_gate.dtype == torch.bfloat16
+        and supports_shapes(shard.w_gate.shape[2], shard.w_gate.shape[1])
+    )
+
+
+def choose_experts_path(x: torch.Tensor, shard: ExpertShard, sent_rows: int | None) -> ExpertsPath:
+    """`kernel` for a decode-sized step where it applies, else `grouped` where available, else `loop`."""
+    small = sent_rows is not None and sent_rows <= KERNEL_ROWS_PER_EXPERT * shard.num_local_experts
+    if small and kernel_applies(x, shard):
+        return "kernel"
+    return "grouped" if has_grouped_mm(x.device.type, x.dtype) else "loop"
+
+
 def grouped_swiglu(
-    x: torch.Tensor, recv_expert_offsets: torch.Tensor, shard: ExpertShard, use_grouped: bool | None = None
+    x: torch.Tensor,
+    recv_expert_offsets: torch.Tensor,
+    shard: ExpertShard,
+    path: ExpertsPath | None = None,
+    *,
+    sent_rows: int | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each packed segment through its expert.
 
@@ -92,22 +134,32 @@ def grouped_swiglu(
         x: [N, D] packed rows (rows past ``recv_expert_offsets[-1]`` are ignored).
         recv_expert_offsets: [El] int32 cumulative ends of each local expert's rows.
         shard: this rank's experts (weights in x's dtype).
-        use_grouped: force the path (None: grouped when available).
+        path: force a path (None: `kernel` for a decode-sized step where it applies, else `grouped`
+            where available, else `loop`).
+        sent_rows: rows this rank sent into the dispatch (tokens * top-k), the host-side size hint
+            that makes a step decode-sized (at most KERNEL_ROWS_PER_EXPERT per local expert); None:
+            not decode-sized.
 
     Returns:
         [N, D] in x's dtype; rows past the last offset are unspecified.
     """
-    if use_grouped is None:
-        use_grouped = has_grouped_mm(x.device.type, x.dtype)
+    if path is not None and path not in EXPERTS_PATHS:
+        raise ConfigError(f"experts path {path!r} is not one of {EXPERTS_PATHS}")
     if shard.num_local_experts == 0 or x.shape[0] == 0:
         return torch.zeros_like(x)
-    if use_grouped:
+    path = path or choose_experts_path(x, shard, sent_rows)
+    if path == "kernel":
+        from zerodram.kernels.experts import swiglu_experts_cuda
+
+        offs = recv_expert_offsets.to(torch.int32)
+        return swiglu_experts_cuda(x.contiguous(), offs.contiguous(), shard.w_gate, shard.w_up, shard.w_down)
+    if path == "grouped":
         offs = recv_expert_offsets.to(torch.int32)
         g = torch._grouped_mm(x, shard.w_gate.transpose(-2, -1), offs=offs)  # [N, F]
         u = torch._grouped_mm(x, shard.w_up.transpose(-2, -1), offs=offs)  # [N, F]
         return torch._grouped_mm(F.silu(g) * u, shard.w_down.transpose(-2, -1), offs=offs)  # [N, D]
     out = torch.zeros_like(x)
-    ends = recv_expert_offsets.tolist()  # host sync: the fallback path only
+    ends = recv_expert_offsets.tolist()  # host sync: the reference path only
     start = 0
     for le, end in enumerate(ends):
         if end > start:

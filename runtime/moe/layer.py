@@ -17,7 +17,7 @@ import torch
 
 from zerodram.runtime.comm import Communicator, EpLayout, ExpertPlacement, create_communicator
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.moe.experts import ExpertShard, SharedExpertWeights, grouped_swiglu
+from zerodram.runtime.moe.experts import ExpertShard, ExpertsPath, SharedExpertWeights, grouped_swiglu
 from zerodram.runtime.moe.router import RouterConfig
 
 
@@ -29,7 +29,7 @@ class EpMoELayer:
         experts: this rank's shard; ``experts.expert_ids`` must equal the layout's local experts.
         gate_weight: router projection [E, D], for `forward` (None: only `__call__` with topk).
         shared: shared expert added by `forward`, or None.
-        use_grouped: force `torch._grouped_mm` on/off (None: when available).
+        experts_path: force the experts' path (None: chosen per step by size, see `grouped_swiglu`).
 
     Raises:
         ConfigError: the shard's experts differ from the placement's, or hidden sizes differ.
@@ -42,7 +42,7 @@ class EpMoELayer:
         *,
         gate_weight: torch.Tensor | None = None,
         shared: SharedExpertWeights | None = None,
-        use_grouped: bool | None = None,
+        experts_path: ExpertsPath | None = None,
     ) -> None:
         lay = comm.layout
         if tuple(experts.expert_ids) != lay.local_experts:
@@ -56,7 +56,7 @@ class EpMoELayer:
         self.experts = experts
         self.gate_weight = gate_weight
         self.shared = shared
-        self.use_grouped = use_grouped
+        self.experts_path = experts_path
 
     @classmethod
     def create(
@@ -127,7 +127,7 @@ class EpMoELayer:
 
     def _experts_and_combine(self, out: Any) -> torch.Tensor:
         y_packed = grouped_swiglu(
-            out.recv_x, out.recv_expert_offsets, self.experts, self.use_grouped
+            out.recv_x, out.recv_expert_offsets, self.experts, self.experts_path, sent_rows=out.topk_idx.numel()
         )  # [N, D]
         return self.comm.combine(y_packed, out)
 

@@ -1,0 +1,160 @@
+"""Routed SwiGLU experts at decode sizes: the expert kernel vs `torch._grouped_mm` vs a per-expert loop.
+
+    python benchmarks/experts.py [--json] [--batches 1,8,64,256] [--model seed-700b]
+    zerodram bench experts ...
+
+Shape legend: B tokens, K top-k, N = B * K packed rows, D hidden, F expert FFN, E experts (all on
+this one GPU).
+
+Each case routes B random tokens to K of E experts (uniform, a fixed seed), packs the rows
+expert-major as a dispatch does, and times the three paths of `grouped_swiglu` on the same rows and
+weights: `kernel` (kernels/cuda/moe_experts.cu) and `grouped` replayed from a CUDA graph, `loop`
+(one cuBLAS SwiGLU per active expert, the reference; it reads the counts on the host) launched
+eagerly. CUDA events around each repetition, a 256 MB L2 flush (a read) before each, warm-up,
+medians. The floor is the bytes of the distinct experts routed to (gate, up, down) over the
+measured copy bandwidth (read + write counted: reads alone run a little faster, so a path can come
+in just under it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+PATHS = ("kernel", "grouped", "loop")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="seed-700b", help="named configuration whose expert shape is used")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="one JSON line per case")
+
+
+def _median_ms(fn, reps: int, flush, graph: bool) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(reps + 2):
+        flush.sum()  # read-only: evicts the weights from L2 without dirty lines
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[2:])
+
+
+def _copy_bw() -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return 2 * src.numel() / (statistics.median(times[2:]) * 1e-3)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerodram.runtime.model.named import named_config
+    from zerodram.runtime.moe.experts import ExpertShard, grouped_swiglu, has_grouped_mm
+
+    if not torch.cuda.is_available():
+        print("experts benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cfg = named_config(args.model)
+    E, K, D, F_ = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int, fan_in: int) -> torch.Tensor:
+        return (
+            torch.randn(*shape, device=dev, generator=gen, dtype=torch.bfloat16) / fan_in**0.5
+        ).contiguous()
+
+    shard = ExpertShard(
+        tuple(range(E)), rnd(E, F_, D, fan_in=D), rnd(E, F_, D, fan_in=D), rnd(E, D, F_, fan_in=F_)
+    )
+    flush = torch.zeros(64 << 20, dtype=torch.float32, device=dev)
+    copy_bw = _copy_bw()
+    name = torch.cuda.get_device_name()
+    expert_bytes = 3 * F_ * D * 2
+    print(
+        f"# {name}, {args.model} experts: E={E} top-{K} D={D} F={F_} ({expert_bytes / 1e6:.0f} MB each), "
+        f"copy bandwidth {copy_bw / 1e12:.2f} TB/s",
+        flush=True,
+    )
+    paths = [p for p in PATHS if p != "grouped" or has_grouped_mm("cuda", torch.bfloat16)]
+    rows = []
+    for B in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator().manual_seed(B)
+        topk = torch.rand(B, E, generator=g).topk(K, dim=1).indices  # [B, K] distinct experts per token
+        counts = torch.bincount(topk.flatten(), minlength=E)  # [E]
+        N = B * K
+        x = torch.randn(N, D, device=dev, generator=gen, dtype=torch.bfloat16)  # [N, D] packed rows
+        ends = counts.cumsum(0).to(device=dev, dtype=torch.int32)
+        touched = int((counts > 0).sum())
+        floor = touched * expert_bytes / copy_bw * 1e3
+        row = {"bench": "experts", "model": args.model, "B": B, "rows": N, "experts_touched": touched,
+               "max_rows_per_expert": int(counts.max()), "weight_bytes": touched * expert_bytes,
+               "floor_ms": round(floor, 4)}  # fmt: skip
+        ref = grouped_swiglu(x, ends, shard, "loop")
+        for path in paths:
+            out = grouped_swiglu(x, ends, shard, path)
+            err = float((out[:N].float() - ref[:N].float()).abs().max())
+            ms = _median_ms(
+                lambda p=path, x=x, ends=ends: grouped_swiglu(x, ends, shard, p),
+                args.reps,
+                flush,
+                graph=path != "loop",
+            )
+            row[f"{path}_ms"] = round(ms, 4)
+            row[f"{path}_floor_ratio"] = round(ms / floor, 3)
+            row[f"{path}_max_err_vs_loop"] = round(err, 5)
+        if "grouped_ms" in row:
+            row["kernel_speedup_vs_grouped"] = round(row["grouped_ms"] / row["kernel_ms"], 3)
+        row["kernel_speedup_vs_loop"] = round(row["loop_ms"] / row["kernel_ms"], 3)
+        rows.append(row)
+        if args.json:
+            print(json.dumps({**row, "device": name, "copy_bw": round(copy_bw)}), flush=True)
+    print(
+        f"\n{'B':>4} {'rows':>5} {'experts':>7} {'max/exp':>7} {'floor ms':>8} "
+        + " ".join(f"{p + ' ms':>13}" for p in paths)
+    )
+    for r in rows:
+        cells = " ".join(f"{r[p + '_ms']:>7.3f} ({r[p + '_floor_ratio']:.2f}x)" for p in paths)
+        print(
+            f"{r['B']:>4} {r['rows']:>5} {r['experts_touched']:>7} {r['max_rows_per_expert']:>7} {r['floor_ms']:>8.3f} {cells}"
+        )
+    print("(x): time over the floor, the touched experts' weight bytes at the copy bandwidth")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+// Decode-sized SwiGLU experts: a grouped skinny GEMM that streams each active expert's weights from
+// HBM once and puts the expert's few tokens on the tensor-core MMA's narrow (N = 8) side.
+//
+//     h = silu(x W_gateᵀ) * (x W_upᵀ)      experts_gate_up   [N, K=D] -> [N, R=F]
+//     y = h W_downᵀ                          experts_down      [N, K=F] -> [N, R=D]
+//
+// Shape legend: N packed rows (expert-major, as a dispatch leaves them), El local experts, R weight
+// rows (outputs), K reduction dim, n rows of one expert, TOK = 8 * NG tokens per pass.
+//
+// Why: at decode an expert sees a handful of rows (top-k * batch / experts, often 0-16), so the
+// stage is a weight read: ~805 MB per seed-700b expert. cuBLAS / torch._grouped_mm tile for large N
+// and reach 1.2-1.5x of the read floor there (docs/benchmarks.md). Here the weights are the MMA's
+// M side, loaded straight from global memory into A fragments with 16-byte streaming loads; the
+// tokens are the B side. The reduction index inside an m16n8k16 MMA may be permuted freely as long
+// as A and B use the same permutation, so a lane loads 8 consecutive k of a weight row (one uint4)
+// and 8 consecutive k of its token row, and two MMAs consume them (lane quad c holds logical k
+// {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory,
+// no layout change of the weights, and about 3 warp instructions per 1 KB of weights.
+//
+// grid (ceil(R / (16 * WARPS)), El), block 32 * WARPS: warp w of CTA (bx, e) owns weight rows
+// [16 (bx WARPS + w), +16) of expert e and all of its n rows, TOK at a time (n > TOK re-streams the
+// weights once per pass: callers send large batches to a dense GEMM instead). A CTA whose expert has
+// no rows exits at once, so only the active experts' weights are read and no host sync is needed
+// (capturable in a CUDA graph). Rows past the last expert's end are not written.
+//
+// Hazards: K % 32 == 0, R % 16 == 0, 16-byte aligned rows (checked by kernels/experts.py); x is read
+// through the non-coherent path, so it must not be written while the kernel runs (it is an earlier
+// kernel's output on the same stream). Accumulation is fp32 over the whole K; the SwiGLU product is
+// formed in fp32 and rounded once to bf16 (torch rounds gate and up to bf16 first: the reference
+// comparison allows for that).
+#include <cuda_bf16.h>
+#include <cuda/std/cstdint>
+
+using cuda::std::int32_t;
+using cuda::std::uint32_t;
+
+#ifndef WARPS
+#define WARPS 4  // warps per CTA
+#endif
+#ifndef UNROLL
+#define UNROLL 4  // k32 steps whose weight loads are issued before their MMAs
+#endif
+#ifndef NG
+#define NG 4  // token groups of 8 per pass (TOK = 8 * NG)
+#endif
+
+namespace {
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  // weights: read once, keep them out of L1 and ask L2 to fetch the whole 256-byte segment
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_cached(const void* p) {
+  // token rows: every warp of every CTA of the expert reads them; L1 / L2 hits after the first
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// c += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One k32 step of one weight matrix against NG token groups: lo = row g, hi = row g + 8.
+__device__ __forceinline__ void step(float (&acc)[NG][4], const uint4& lo, const uint4& hi,
+                                     const __nv_bfloat16* const (&xrow)[NG], int k, int groups) {
+#pragma unroll
+  for (int t = 0; t < NG; ++t) {
+    if (t < groups) {  // warp-uniform
+      const uint4 b = ld_cached(xrow[t] + k);
+      mma_bf16(acc[t], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+      mma_bf16(acc[t], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+    }
+  }
+}
+
+template <bool kGateUp>
+__device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
+                                       const __nv_bfloat16* __restrict__ w0, const __nv_bfloat16* __restrict__ w1,
+                                       __nv_bfloat16* __restrict__ out, int R, int K) {
+  const int e = blockIdx.y;
+  const int start = e ? ends[e - 1] : 0;
+  const int n = ends[e] - start;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 = (blockIdx.x * WARPS + warp) * 16;
+  if (n <= 0 || r0 >= R) return;  // idle expert or past the last row tile: read nothing
+  const int g = lane >> 2, c = lane & 3;
+
+  const size_t wrow = (size_t(e) * R + r0 + g) * K + 8 * c;  // this lane's row g, k offset 8c
+  const __nv_bfloat16* a0 = w0 + wrow;
+  const __nv_bfloat16* a1 = kGateUp ? w1 + wrow : nullptr;
+  const size_t hi = size_t(8) * K;  // row g + 8
+
+  for (int t0 = 0; t0 < n; t0 += 8 * NG) {
+    const int groups = min(NG, (n - t0 + 7) / 8);
+    const __nv_bfloat16* xrow[NG];
+#pragma unroll
+    for (int t = 0; t < NG; ++t) {  // token g of group t; rows past n repeat the last (never stored)
+      xrow[t] = x + size_t(start + min(t0 + 8 * t + g, n - 1)) * K + 8 * c;
+    }
+    float acc0[NG][4] = {}, acc1[NG][4] = {};
+
+    int k = 0;
+    for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
+      uint4 lo0[UNROLL], hi0[UNROLL], lo1[UNROLL], hi1[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {  // all loads first: UNROLL * 1-2 KB in flight per warp
+        lo0[u] = ld_stream(a0 + k + 32 * u);
+        hi0[u] = ld_stream(a0 + hi + k + 32 * u);
+        if constexpr (kGateUp) {
+          lo1[u] = ld_stream(a1 + k + 32 * u);
+          hi1[u] = ld_stream(a1 + hi + k + 32 * u);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        step(acc0, lo0[u], hi0[u], xrow, k + 32 * u, groups);
+        if constexpr (kGateUp) step(acc1, lo1[u], hi1[u], xrow, k + 32 * u, groups);
+      }
+    }
+    for (; k < K; k += 32) {  // K not a multiple of 32 * UNROLL
+      step(acc0, ld_stream(a0 + k), ld_stream(a0 + hi + k), xrow, k, groups);
+      if constexpr (kGateUp) step(acc1, ld_stream(a1 + k), ld_stream(a1 + hi + k), xrow, k, groups);
+    }
+
+    // c0, c1: (row g, tokens 2c, 2c + 1); c2, c3: (row g + 8, same tokens)
+#pragma unroll
+    for (int t = 0; t < NG; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = t0 + 8 * t + 2 * c + (i & 1);
+        const int row = r0 + g + (i >> 1) * 8;
+        if (tok < n) {
+          float v = acc0[t][i];
+          if constexpr (kGateUp) v = v / (1.f + __expf(-v)) * acc1[t][i];  // silu(gate) * up
+          out[size_t(start + tok) * R + row] = __float2bfloat16_rn(v);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x [N, K] bf16; ends [El] int32 cumulative row ends; w_gate, w_up [El, R, K] bf16; h [N, R] bf16
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    experts_gate_up(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
+                    const __nv_bfloat16* __restrict__ w_gate, const __nv_bfloat16* __restrict__ w_up,
+                    __nv_bfloat16* __restrict__ h, int R, int K) {
+  skinny<true>(x, ends, w_gate, w_up, h, R, K);
+}
+
+// h [N, K] bf16; ends [El] int32; w_down [El, R, K] bf16; y [N, R] bf16
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    experts_down(const __nv_bfloat16* __restrict__ h, const int32_t* __restrict__ ends,
+                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* __restrict__ y, int R, int K) {
+  skinny<false>(h, ends, w_down, nullptr, y, R, K);
+}

@@ -1,0 +1,92 @@
+"""Launch wrapper of the decode-sized SwiGLU expert kernels (kernels/cuda/moe_experts.cu).
+
+Shape legend: N packed rows (expert-major), D hidden, F expert FFN dim, El local experts.
+
+`swiglu_experts_cuda(x, ends, w_gate, w_up, w_down)` computes, for every local expert e and its rows
+x[ends[e-1]:ends[e]], down(silu(gate(x)) * up(x)) in two launches (gate+up fused with the SwiGLU,
+then down) that read each active expert's weights once. It validates its inputs once, allocates the
+[N, F] intermediate and the [N, D] output, and launches on torch's current stream without a host
+sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import torch
+
+from zerodram.kernels.jit import BuildOptions
+from zerodram.kernels.module import launch, load_module, ptr
+from zerodram.runtime.errors import ConfigError
+
+WARPS = 4  # warps per CTA, 16 weight rows each
+TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights once per 32 rows
+
+
+def experts_build_options() -> BuildOptions:
+    return BuildOptions.make(
+        arch="sm_90", defines={"WARPS": WARPS, "NG": TOKENS_PER_PASS // 8, "UNROLL": 4}, extra=("-lineinfo",)
+    )
+
+
+def supports_shapes(hidden: int, ffn: int) -> bool:
+    """Whether the kernels take experts of this shape (both reduction dims a multiple of 32)."""
+    return hidden % 32 == 0 and ffn % 32 == 0
+
+
+@cache
+def _kernels(device_index: int):
+    mod = load_module("moe_experts", experts_build_options())
+    return mod.kernel("experts_gate_up"), mod.kernel("experts_down")
+
+
+def load_experts_kernels(device: torch.device | str | None = None) -> None:
+    """Compile and load the kernels on `device` now (not inside a graph capture)."""
+    with torch.cuda.device(device):
+        _kernels(torch.cuda.current_device())
+
+
+def swiglu_experts_cuda(
+    x: torch.Tensor, ends: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """x [N, D] bf16 packed rows; ends [El] int32 cumulative row ends (on the device); w_gate, w_up
+    [El, F, D] and w_down [El, D, F] bf16, contiguous. Returns [N, D] bf16; rows past ends[-1] are
+    unspecified.
+
+    Raises:
+        ConfigError: a tensor not on x's CUDA device, not bf16 / int32, not contiguous, or shapes that
+            disagree (the message names the tensor and both shapes).
+    """
+    if x.device.type != "cuda":
+        raise ConfigError(f"the expert kernels run on CUDA tensors, x is on {x.device}")
+    N, D = x.shape
+    El, F_ = w_gate.shape[0], w_gate.shape[1]
+    want = {"w_gate": (El, F_, D), "w_up": (El, F_, D), "w_down": (El, D, F_), "ends": (El,)}
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("ends", ends)):
+        dtype = torch.int32 if name == "ends" else torch.bfloat16
+        if t.device != x.device or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ConfigError(
+                f"{name}: want a contiguous, 16-byte aligned {dtype} tensor on {x.device}, got {t.dtype} on "
+                f"{t.device} (contiguous={t.is_contiguous()})"
+            )
+        if name in want and tuple(t.shape) != want[name]:
+            raise ConfigError(
+                f"{name} has shape {tuple(t.shape)}, x {tuple(x.shape)} and w_gate {tuple(w_gate.shape)} need {want[name]}"
+            )
+    if not supports_shapes(D, F_):
+        raise ConfigError(
+            f"the expert kernels need hidden and FFN dims that are multiples of 32, got {D} and {F_}"
+        )
+    h = torch.empty(N, F_, dtype=x.dtype, device=x.device)  # [N, F]
+    y = torch.empty_like(x)  # [N, D]
+    if N == 0 or El == 0:
+        return y
+    rows_per_cta = 16 * WARPS
+    with torch.cuda.device(x.device):
+        gate_up, down = _kernels(x.device.index)
+        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(32 * WARPS,),
+               args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
+        launch(down, grid=(-(-D // rows_per_cta), El), block=(32 * WARPS,),
+               args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip
+    return y
