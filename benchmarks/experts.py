@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="seed-700b", help="named configuration whose expert shape is used")
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--configs",
+        default="",
+        help="also time these kernel variants WARPSxUNROLL[xUNROLL_DOWN], comma separated (a sweep: "
+        "the table's kernel column is always the runtime's default)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
 
 
@@ -76,6 +82,7 @@ def _copy_bw() -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from zerodram.kernels.experts import DEFAULT_CONFIG, ExpertsConfig, swiglu_experts_cuda
     from zerodram.runtime.model.named import named_config
     from zerodram.runtime.moe.experts import ExpertShard, grouped_swiglu, has_grouped_mm
 
@@ -131,6 +138,17 @@ def run(args: argparse.Namespace) -> int:
             row[f"{path}_ms"] = round(ms, 4)
             row[f"{path}_floor_ratio"] = round(ms / floor, 3)
             row[f"{path}_max_err_vs_loop"] = round(err, 5)
+        sweep = {}
+        for c in (ExpertsConfig.parse(t) for t in args.configs.split(",") if t):
+
+            def fn(c=c, x=x, ends=ends):
+                return swiglu_experts_cuda(x, ends, shard.w_gate, shard.w_up, shard.w_down, c)
+
+            sweep[str(c)] = round(_median_ms(fn, args.reps, flush, graph=True), 4)
+        if sweep:
+            row["kernel_default_config"] = str(DEFAULT_CONFIG)
+            row["kernel_sweep_ms"] = sweep
+            print(f"# B={B} sweep (ms): {sweep}", flush=True)
         if "grouped_ms" in row:
             row["kernel_speedup_vs_grouped"] = round(row["grouped_ms"] / row["kernel_ms"], 3)
         row["kernel_speedup_vs_loop"] = round(row["loop_ms"] / row["kernel_ms"], 3)

@@ -11,6 +11,7 @@ sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -20,14 +21,34 @@ from zerodram.kernels.jit import BuildOptions
 from zerodram.kernels.module import launch, load_module, ptr
 from zerodram.runtime.errors import ConfigError
 
-WARPS = 4  # warps per CTA, 16 weight rows each
 TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights once per 32 rows
 
 
-def experts_build_options() -> BuildOptions:
-    return BuildOptions.make(
-        arch="sm_90", defines={"WARPS": WARPS, "NG": TOKENS_PER_PASS // 8, "UNROLL": 4}, extra=("-lineinfo",)
-    )
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Compile-time shape of the kernels: warps per CTA (16 weight rows each) and k32 steps whose
+    loads are issued before their MMAs, per kernel (gate+up loads two matrices per step)."""
+
+    warps: int = 4
+    unroll_gate_up: int = 4
+    unroll_down: int = 4
+
+    @staticmethod
+    def parse(text: str) -> ExpertsConfig:
+        """'WARPSxUNROLL' or 'WARPSxUNROLL_GATE_UPxUNROLL_DOWN'."""
+        parts = [int(v) for v in text.split("x")]
+        return ExpertsConfig(parts[0], parts[1], parts[-1])
+
+    def __str__(self) -> str:
+        return f"{self.warps}x{self.unroll_gate_up}x{self.unroll_down}"
+
+
+DEFAULT_CONFIG = ExpertsConfig()
+
+
+def experts_build_options(config: ExpertsConfig = DEFAULT_CONFIG, unroll: int | None = None) -> BuildOptions:
+    defines = {"WARPS": config.warps, "NG": TOKENS_PER_PASS // 8, "UNROLL": unroll or config.unroll_gate_up}
+    return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
 
 def supports_shapes(hidden: int, ffn: int) -> bool:
@@ -36,19 +57,27 @@ def supports_shapes(hidden: int, ffn: int) -> bool:
 
 
 @cache
-def _kernels(device_index: int):
-    mod = load_module("moe_experts", experts_build_options())
-    return mod.kernel("experts_gate_up"), mod.kernel("experts_down")
+def _kernels(device_index: int, config: ExpertsConfig):
+    gate_up = load_module("moe_experts", experts_build_options(config, config.unroll_gate_up))
+    down = load_module("moe_experts", experts_build_options(config, config.unroll_down))
+    return gate_up.kernel("experts_gate_up"), down.kernel("experts_down")
 
 
-def load_experts_kernels(device: torch.device | str | None = None) -> None:
+def load_experts_kernels(
+    device: torch.device | str | None = None, config: ExpertsConfig = DEFAULT_CONFIG
+) -> None:
     """Compile and load the kernels on `device` now (not inside a graph capture)."""
     with torch.cuda.device(device):
-        _kernels(torch.cuda.current_device())
+        _kernels(torch.cuda.current_device(), config)
 
 
 def swiglu_experts_cuda(
-    x: torch.Tensor, ends: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor,
+    ends: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    config: ExpertsConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """x [N, D] bf16 packed rows; ends [El] int32 cumulative row ends (on the device); w_gate, w_up
     [El, F, D] and w_down [El, D, F] bf16, contiguous. Returns [N, D] bf16; rows past ends[-1] are
@@ -82,11 +111,11 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    rows_per_cta = 16 * WARPS
+    rows_per_cta, W = 16 * config.warps, config.warps
     with torch.cuda.device(x.device):
-        gate_up, down = _kernels(x.device.index)
-        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(32 * WARPS,),
+        gate_up, down = _kernels(x.device.index, config)
+        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(32 * W,),
                args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
-        launch(down, grid=(-(-D // rows_per_cta), El), block=(32 * WARPS,),
+        launch(down, grid=(-(-D // rows_per_cta), El), block=(32 * W,),
                args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip
     return y

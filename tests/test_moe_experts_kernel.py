@@ -4,10 +4,12 @@ path choice and its refusals (CPU), and on a GPU agreement with the per-expert l
 Shape legend: N packed rows, D hidden, F expert FFN dim, El local experts.
 
 Agreement: the kernel accumulates in fp32 over the whole reduction and rounds the SwiGLU product
-once to bf16; the reference (`grouped_swiglu(path="loop")`, cuBLAS per expert) rounds gate and up to
-bf16 first. Outputs are O(1) (weights scaled by 1/sqrt(fan-in)); the tests allow 3e-2 absolute plus
-3e-2 relative, a few bf16 ulps of the intermediate, and check that at least 99% of elements sit within
-a tenth of that (a layout or indexing bug misses by O(1) on most elements).
+once to bf16. Against that arithmetic done in fp32 torch (`_reference_fp32`) outputs must agree within
+0.8% relative plus 0.4% of the largest output (bf16 rounding of the result, and the odd intermediate
+that rounds to the neighbouring bf16 because the summation order differs); against the bf16 loop path
+(`grouped_swiglu(path="loop")`, cuBLAS per expert, which also rounds gate and up to bf16) within 3e-2
+absolute plus 3% relative. Outputs are O(1) (weights scaled by 1/sqrt(fan-in)): a layout or indexing bug
+misses by O(1).
 """
 
 from __future__ import annotations
@@ -46,14 +48,33 @@ def test_path_choice_on_cpu() -> None:
         grouped_swiglu(x, torch.tensor([2, 4, 6, 8], dtype=torch.int32), shard, "fast")  # type: ignore[arg-type]
 
 
-def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
-    err = (y.float() - ref.float()).abs()
-    tol = 3e-2 + 3e-2 * ref.float().abs()
-    assert torch.isfinite(y.float()).all(), "unwritten or non-finite rows"
+def _reference_fp32(x: torch.Tensor, ends: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """The kernel's arithmetic in plain torch: fp32 products of the bf16 inputs, the SwiGLU product
+    rounded once to bf16, fp32 down projection. [N, D] fp32 for the rows up to ends[-1]."""
+    out, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        xe = x[start:end].float()
+        g, u = xe @ shard.w_gate[e].float().T, xe @ shard.w_up[e].float().T
+        h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16).float()
+        out.append(h @ shard.w_down[e].float().T)
+        start = end
+    return torch.cat(out)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, shard: ExpertShard) -> None:
+    """Within bf16 rounding of the fp32 reference (plus a flipped ulp of h here and there), and
+    within a few ulps of the bf16 loop path."""
+    N = int(ends[-1])
+    y = y[:N].float()
+    assert torch.isfinite(y).all(), "unwritten or non-finite rows"
+    ref = _reference_fp32(x, ends, shard)
+    err = (y - ref).abs()
+    tol = 8e-3 * ref.abs() + 4e-3 * ref.abs().max()
     assert (err <= tol).all(), (
-        f"max error {err.max():.4g} (where ref {ref.float().flatten()[err.argmax()]:.4g})"
+        f"max error {err.max():.4g} vs fp32 (ref there {ref.flatten()[err.argmax()]:.4g})"
     )
-    assert (err <= tol / 10).float().mean() >= 0.99
+    loop = grouped_swiglu(x, ends, shard, "loop")[:N].float()
+    assert ((y - loop).abs() <= 3e-2 + 3e-2 * loop.abs()).all()
 
 
 @pytest.mark.gpu
@@ -74,9 +95,7 @@ def test_gpu_experts_kernel_matches_loop(D: int, F: int, counts: list[int]) -> N
     x = torch.randn(N + 5, D, device="cuda").to(torch.bfloat16)  # [N + 5, D]: 5 rows past the end
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     torch.full((N + 5, max(D, F)), float("nan"), device="cuda")  # freed: the outputs likely reuse it
-    y = grouped_swiglu(x, ends, shard, "kernel")
-    ref = grouped_swiglu(x, ends, shard, "loop")
-    _check(y[:N], ref[:N])
+    _check(grouped_swiglu(x, ends, shard, "kernel"), x, ends, shard)
 
 
 @pytest.mark.gpu
@@ -98,5 +117,4 @@ def test_gpu_experts_kernel_chosen_for_decode_and_graph_safe() -> None:
         ends.copy_(torch.tensor(counts).cumsum(0))
         x.copy_(torch.randn_like(x, dtype=torch.float32))
         graph.replay()
-        N = sum(counts)
-        _check(y[:N], grouped_swiglu(x, ends, shard, "loop")[:N])
+        _check(y, x, ends, shard)
