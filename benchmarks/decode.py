@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed passes per case (GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed passes per case")
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is visible")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU: also print the device time of each kernel in the replayed graph (torch.profiler)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = RankContext.single_process("cuda" if gpu else "cpu")
     try:
         bench = LayerBench(ctx, model, max(batches), args.fused_backend)
+        bench.profile = args.profile
         rows = []
         cases = [(path, B, L) for B in batches for L in contexts for path in paths]
         from rich.console import Console
@@ -128,6 +134,8 @@ def layer_config(name: str) -> Any:
 
 class LayerBench:
     """One MoE layer's weights, its two communicators and the timing of one case at a time."""
+
+    profile = False  # print per-kernel device times of the replayed graph
 
     def __init__(self, ctx: Any, model: str, max_batch: int, fused_backend: str) -> None:
         import torch
@@ -281,6 +289,8 @@ class LayerBench:
             if i >= 3:
                 times.append(a.elapsed_time(b))
         comm.check()
+        if self.profile:
+            _print_kernel_times(graph, self.flush, f"{path} B={x.shape[0]} L={int(positions[0])}")
         return statistics.median(times)
 
     def _fp2_kv(self, B: int, L: int, gen: Any) -> tuple:
@@ -417,6 +427,29 @@ class _Marks:
             self.events[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:], strict=False)]
         return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:], strict=False)]
+
+
+def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> None:
+    """Device time per kernel of one replay of `graph` (CUPTI sees the kernels inside it), on stderr."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.sum()
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()]
+    rows = [r for r in rows if r[1] > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(
+        f"# kernels of one {label} replay: {total / 1e3:.3f} ms of kernel time, including one 256 MB "
+        "L2-flush reduction (about 0.06 ms) that is not part of the step",
+        file=sys.stderr,
+    )
+    for name, us, n in rows[:14]:
+        print(f"#   {us / 1e3:8.3f} ms  x{n:<3} {name[:100]}", file=sys.stderr)
 
 
 def _copy_bandwidth(dev: Any) -> float:

@@ -26,28 +26,38 @@ TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights on
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Compile-time shape of the kernels: warps per CTA (16 weight rows each) and k32 steps whose
-    loads are issued before their MMAs, per kernel (gate+up loads two matrices per step)."""
+    """Compile-time shape of the kernels: warps along the weight rows (16 rows each) and along K
+    per CTA, and the k32 steps whose loads are issued before their MMAs, per kernel (gate+up loads
+    two matrices per step)."""
 
-    warps: int = 4
-    unroll_gate_up: int = 4
+    row_tiles: int = 4
+    ksplit: int = 2
+    unroll_gate_up: int = 2
     unroll_down: int = 4
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
-        """'WARPSxUNROLL' or 'WARPSxUNROLL_GATE_UPxUNROLL_DOWN'."""
-        parts = [int(v) for v in text.split("x")]
-        return ExpertsConfig(parts[0], parts[1], parts[-1])
+        """'ROW_TILESxKSPLITxUNROLL_GATE_UPxUNROLL_DOWN', e.g. '4x2x2x4'."""
+        return ExpertsConfig(*(int(v) for v in text.split("x")))
+
+    @property
+    def warps(self) -> int:
+        return self.row_tiles * self.ksplit
 
     def __str__(self) -> str:
-        return f"{self.warps}x{self.unroll_gate_up}x{self.unroll_down}"
+        return f"{self.row_tiles}x{self.ksplit}x{self.unroll_gate_up}x{self.unroll_down}"
 
 
 DEFAULT_CONFIG = ExpertsConfig()
 
 
 def experts_build_options(config: ExpertsConfig = DEFAULT_CONFIG, unroll: int | None = None) -> BuildOptions:
-    defines = {"WARPS": config.warps, "NG": TOKENS_PER_PASS // 8, "UNROLL": unroll or config.unroll_gate_up}
+    defines = {
+        "ROW_TILES": config.row_tiles,
+        "KSPLIT": config.ksplit,
+        "NG": TOKENS_PER_PASS // 8,
+        "UNROLL": unroll or config.unroll_gate_up,
+    }
     return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
 
@@ -111,7 +121,7 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    rows_per_cta, W = 16 * config.warps, config.warps
+    rows_per_cta, W = 16 * config.row_tiles, config.warps
     with torch.cuda.device(x.device):
         gate_up, down = _kernels(x.device.index, config)
         launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(32 * W,),

@@ -160,3 +160,11 @@ def test_gpu_fp2_cache_pages_with_kernel_equal_torch_loop(D: int, monkeypatch: p
         ca, cb = unpack_codes(a.codes), unpack_codes(b.codes)  # [pages, H, P, D]
         agree = float((ca == cb).float().mean())
         assert agree >= 0.999, f"{agree:.5f} of page codes equal"
+
+
+def test_feedback_reference_leaves_its_inputs_alone() -> None:
+    """T = H = 1 (a decode write): the permuted copy must be a copy, not the caller's y."""
+    args, _ = _case(1, 1, 64, offsets=True, exact=False, seed=11)
+    before = {k: v.clone() for k, v in args.items() if v is not None}
+    feedback_codes_reference(**args)
+    assert all(torch.equal(args[k], v) for k, v in before.items())

@@ -17,9 +17,12 @@
 // {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory,
 // no layout change of the weights, and about 3 warp instructions per 1 KB of weights.
 //
-// grid (ceil(R / (16 * WARPS)), El), block 32 * WARPS: warp w of CTA (bx, e) owns weight rows
-// [16 (bx WARPS + w), +16) of expert e and all of its n rows, TOK at a time (n > TOK re-streams the
-// weights once per pass: callers send large batches to a dense GEMM instead). A CTA whose expert has
+// grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT: warp (rt, ks) of CTA (bx, e)
+// owns weight rows [16 (bx ROW_TILES + rt), +16) of expert e, the ks-th of KSPLIT shares of K, and
+// all of the expert's n rows, TOK at a time (n > TOK re-streams the weights once per pass: callers
+// send large batches to a dense GEMM instead). Splitting K multiplies the warps streaming at once,
+// which a step touching few experts (batch 1: 2 of 32) needs to keep enough bytes in flight; the
+// shares are summed in a fixed order (deterministic). A CTA whose expert has
 // no rows exits at once, so only the active experts' weights are read and no host sync is needed
 // (capturable in a CUDA graph). Rows past the last expert's end are not written.
 //
@@ -34,8 +37,11 @@
 using cuda::std::int32_t;
 using cuda::std::uint32_t;
 
-#ifndef WARPS
-#define WARPS 4  // warps per CTA
+#ifndef ROW_TILES
+#define ROW_TILES 4  // warps along the weight rows, 16 rows each
+#endif
+#ifndef KSPLIT
+#define KSPLIT 2  // warps along K sharing a row tile (their partial sums meet in shared memory)
 #endif
 #ifndef UNROLL
 #define UNROLL 4  // k32 steps whose weight loads are issued before their MMAs
@@ -43,6 +49,7 @@ using cuda::std::uint32_t;
 #ifndef NG
 #define NG 4  // token groups of 8 per pass (TOK = 8 * NG)
 #endif
+#define WARPS (ROW_TILES * KSPLIT)
 
 namespace {
 
@@ -89,13 +96,22 @@ template <bool kGateUp>
 __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
                                        const __nv_bfloat16* __restrict__ w0, const __nv_bfloat16* __restrict__ w1,
                                        __nv_bfloat16* __restrict__ out, int R, int K) {
+  constexpr int kMats = kGateUp ? 2 : 1;
+  // partial sums of the warps with ks >= 1, per (ks - 1, row tile, lane): NG * 4 per matrix
+  __shared__ float red[KSPLIT > 1 ? KSPLIT - 1 : 1][ROW_TILES][32][kMats * NG * 4];
+
   const int e = blockIdx.y;
   const int start = e ? ends[e - 1] : 0;
   const int n = ends[e] - start;
+  if (n <= 0) return;  // idle expert (CTA-uniform): read nothing
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 = (blockIdx.x * WARPS + warp) * 16;
-  if (n <= 0 || r0 >= R) return;  // idle expert or past the last row tile: read nothing
+  const int rt = warp % ROW_TILES, ks = warp / ROW_TILES;
+  const int tile_row = (blockIdx.x * ROW_TILES + rt) * 16;
+  const bool store = tile_row < R;  // a last CTA's spare row tiles redo the last tile, unstored
+  const int r0 = store ? tile_row : R - 16;
   const int g = lane >> 2, c = lane & 3;
+  // this warp's k32 steps: an even share of K / 32 (K need not divide by 32 * KSPLIT)
+  const int steps = K / 32, k_begin = 32 * (ks * steps / KSPLIT), k_end = 32 * ((ks + 1) * steps / KSPLIT);
 
   const size_t wrow = (size_t(e) * R + r0 + g) * K + 8 * c;  // this lane's row g, k offset 8c
   const __nv_bfloat16* a0 = w0 + wrow;
@@ -111,8 +127,8 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
     }
     float acc0[NG][4] = {}, acc1[NG][4] = {};
 
-    int k = 0;
-    for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
+    int k = k_begin;
+    for (; k + 32 * UNROLL <= k_end; k += 32 * UNROLL) {
       uint4 lo0[UNROLL], hi0[UNROLL], lo1[UNROLL], hi1[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {  // all loads first: UNROLL * 1-2 KB in flight per warp
@@ -129,22 +145,54 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
         if constexpr (kGateUp) step(acc1, lo1[u], hi1[u], xrow, k + 32 * u, groups);
       }
     }
-    for (; k < K; k += 32) {  // K not a multiple of 32 * UNROLL
+    for (; k < k_end; k += 32) {  // the share's remainder
       step(acc0, ld_stream(a0 + k), ld_stream(a0 + hi + k), xrow, k, groups);
       if constexpr (kGateUp) step(acc1, ld_stream(a1 + k), ld_stream(a1 + hi + k), xrow, k, groups);
     }
 
+    if constexpr (KSPLIT > 1) {  // the K shares meet: ks >= 1 park their sums, ks = 0 adds them in order
+      if (ks > 0) {
+        float* dst = red[ks - 1][rt][lane];
+#pragma unroll
+        for (int t = 0; t < NG; ++t) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            dst[t * 4 + i] = acc0[t][i];
+            if constexpr (kGateUp) dst[NG * 4 + t * 4 + i] = acc1[t][i];
+          }
+        }
+      }
+      __syncthreads();
+      if (ks == 0) {
+#pragma unroll
+        for (int s = 0; s < KSPLIT - 1; ++s) {
+          const float* src = red[s][rt][lane];
+#pragma unroll
+          for (int t = 0; t < NG; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc0[t][i] += src[t * 4 + i];
+              if constexpr (kGateUp) acc1[t][i] += src[NG * 4 + t * 4 + i];
+            }
+          }
+        }
+      }
+      __syncthreads();  // red is free for the next pass
+    }
+
     // c0, c1: (row g, tokens 2c, 2c + 1); c2, c3: (row g + 8, same tokens)
+    if (ks == 0 && store) {
 #pragma unroll
-    for (int t = 0; t < NG; ++t) {
+      for (int t = 0; t < NG; ++t) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = t0 + 8 * t + 2 * c + (i & 1);
-        const int row = r0 + g + (i >> 1) * 8;
-        if (tok < n) {
-          float v = acc0[t][i];
-          if constexpr (kGateUp) v = v / (1.f + __expf(-v)) * acc1[t][i];  // silu(gate) * up
-          out[size_t(start + tok) * R + row] = __float2bfloat16_rn(v);
+        for (int i = 0; i < 4; ++i) {
+          const int tok = t0 + 8 * t + 2 * c + (i & 1);
+          const int row = r0 + g + (i >> 1) * 8;
+          if (tok < n) {
+            float v = acc0[t][i];
+            if constexpr (kGateUp) v = v / (1.f + __expf(-v)) * acc1[t][i];  // silu(gate) * up
+            out[size_t(start + tok) * R + row] = __float2bfloat16_rn(v);
+          }
         }
       }
     }

@@ -95,7 +95,9 @@ def feedback_codes_reference(
     # Channel-major copies, so that each step reads and updates contiguous rows; the factor's rows
     # are divided by their diagonal once. The loop is sequential over channels (D steps): on a
     # decode write (T = 1) its cost is the number of tensor ops per step, so keep it small.
-    yc = y.float().permute(2, 0, 1).contiguous()  # [D, T, H]
+    # clone, not contiguous(): for T = H = 1 the permuted view is already "contiguous", and the
+    # loop's in-place updates would write into the caller's y
+    yc = y.float().permute(2, 0, 1).clone(memory_format=torch.contiguous_format)  # [D, T, H]
     sc = torch.broadcast_to(scales, y.shape).float().permute(2, 0, 1).contiguous()
     oc = None if offsets is None else torch.broadcast_to(offsets, y.shape).float().permute(2, 0, 1).contiguous()
     keep = None if exact is None else (~exact).permute(2, 0, 1).float()  # 0 where kept exactly
