@@ -26,37 +26,32 @@ TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights on
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Compile-time shape of the kernels: warps along the weight rows (16 rows each) and along K
-    per CTA, and the k32 steps whose loads are issued before their MMAs, per kernel (gate+up loads
-    two matrices per step)."""
+    """Compile-time shape of the kernels: warps along the weight rows (16 rows each) and along K per
+    CTA (gate+up CTAs have twice as many: one set per matrix), and the k32 steps whose loads a warp
+    issues before their MMAs."""
 
     row_tiles: int = 4
-    ksplit: int = 2
-    unroll_gate_up: int = 2
-    unroll_down: int = 4
+    ksplit: int = 1
+    unroll: int = 4
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
-        """'ROW_TILESxKSPLITxUNROLL_GATE_UPxUNROLL_DOWN', e.g. '4x2x2x4'."""
+        """'ROW_TILESxKSPLITxUNROLL', e.g. '4x1x4'."""
         return ExpertsConfig(*(int(v) for v in text.split("x")))
 
-    @property
-    def warps(self) -> int:
-        return self.row_tiles * self.ksplit
-
     def __str__(self) -> str:
-        return f"{self.row_tiles}x{self.ksplit}x{self.unroll_gate_up}x{self.unroll_down}"
+        return f"{self.row_tiles}x{self.ksplit}x{self.unroll}"
 
 
 DEFAULT_CONFIG = ExpertsConfig()
 
 
-def experts_build_options(config: ExpertsConfig = DEFAULT_CONFIG, unroll: int | None = None) -> BuildOptions:
+def experts_build_options(config: ExpertsConfig = DEFAULT_CONFIG) -> BuildOptions:
     defines = {
         "ROW_TILES": config.row_tiles,
         "KSPLIT": config.ksplit,
         "NG": TOKENS_PER_PASS // 8,
-        "UNROLL": unroll or config.unroll_gate_up,
+        "UNROLL": config.unroll,
     }
     return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -68,9 +63,8 @@ def supports_shapes(hidden: int, ffn: int) -> bool:
 
 @cache
 def _kernels(device_index: int, config: ExpertsConfig):
-    gate_up = load_module("moe_experts", experts_build_options(config, config.unroll_gate_up))
-    down = load_module("moe_experts", experts_build_options(config, config.unroll_down))
-    return gate_up.kernel("experts_gate_up"), down.kernel("experts_down")
+    mod = load_module("moe_experts", experts_build_options(config))
+    return mod.kernel("experts_gate_up"), mod.kernel("experts_down")
 
 
 def load_experts_kernels(
@@ -121,10 +115,10 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    rows_per_cta, W = 16 * config.row_tiles, config.warps
+    rows_per_cta, W = 16 * config.row_tiles, config.row_tiles * config.ksplit
     with torch.cuda.device(x.device):
         gate_up, down = _kernels(x.device.index, config)
-        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(32 * W,),
+        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(2 * 32 * W,),
                args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
         launch(down, grid=(-(-D // rows_per_cta), El), block=(32 * W,),
                args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip

@@ -17,9 +17,9 @@
 // {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory,
 // no layout change of the weights, and about 3 warp instructions per 1 KB of weights.
 //
-// grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT: warp (rt, ks) of CTA (bx, e)
-// owns weight rows [16 (bx ROW_TILES + rt), +16) of expert e, the ks-th of KSPLIT shares of K, and
-// all of the expert's n rows, TOK at a time (n > TOK re-streams the weights once per pass: callers
+// grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT (x2 for gate+up): warp
+// (mat, ks, rt) of CTA (bx, e) owns rows [16 (bx ROW_TILES + rt), +16) of expert e's matrix `mat`
+// (gate or up; down has one), the ks-th of KSPLIT shares of K, and all of the expert's n rows, TOK at a time (n > TOK re-streams the weights once per pass: callers
 // send large batches to a dense GEMM instead). Splitting K multiplies the warps streaming at once,
 // which a step touching few experts (batch 1: 2 of 32) needs to keep enough bytes in flight; the
 // shares are summed in a fixed order (deterministic). A CTA whose expert has
@@ -49,7 +49,10 @@ using cuda::std::uint32_t;
 #ifndef NG
 #define NG 4  // token groups of 8 per pass (TOK = 8 * NG)
 #endif
-#define WARPS (ROW_TILES * KSPLIT)
+// gate+up CTAs have twice the warps: one set streams W_gate, the other W_up (a warp streams one
+// matrix: 16 rows, UNROLL * 64 contiguous bytes of each per iteration, as the down kernel does)
+#define WARPS_DOWN (ROW_TILES * KSPLIT)
+#define WARPS_GATE_UP (2 * ROW_TILES * KSPLIT)
 
 namespace {
 
@@ -92,20 +95,23 @@ __device__ __forceinline__ void step(float (&acc)[NG][4], const uint4& lo, const
   }
 }
 
-template <bool kGateUp>
+// kMats = 2: out = silu(x W0ᵀ) * (x W1ᵀ); kMats = 1: out = x W0ᵀ.
+// Warp index = (mat * KSPLIT + ks) * ROW_TILES + rt: matrix, K share, row tile.
+template <int kMats>
 __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
                                        const __nv_bfloat16* __restrict__ w0, const __nv_bfloat16* __restrict__ w1,
                                        __nv_bfloat16* __restrict__ out, int R, int K) {
-  constexpr int kMats = kGateUp ? 2 : 1;
-  // partial sums of the warps with ks >= 1, per (ks - 1, row tile, lane): NG * 4 per matrix
-  __shared__ float red[KSPLIT > 1 ? KSPLIT - 1 : 1][ROW_TILES][32][kMats * NG * 4];
+  constexpr int kParts = kMats * KSPLIT;  // partial sums per output tile
+  // partial sums of every warp but (mat 0, ks 0), per (part - 1, row tile, lane)
+  __shared__ float red[kParts > 1 ? kParts - 1 : 1][ROW_TILES][32][NG * 4];
 
   const int e = blockIdx.y;
   const int start = e ? ends[e - 1] : 0;
   const int n = ends[e] - start;
   if (n <= 0) return;  // idle expert (CTA-uniform): read nothing
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rt = warp % ROW_TILES, ks = warp / ROW_TILES;
+  const int rt = warp % ROW_TILES, part = warp / ROW_TILES;  // part = mat * KSPLIT + ks
+  const int mat = part / KSPLIT, ks = part % KSPLIT;
   const int tile_row = (blockIdx.x * ROW_TILES + rt) * 16;
   const bool store = tile_row < R;  // a last CTA's spare row tiles redo the last tile, unstored
   const int r0 = store ? tile_row : R - 16;
@@ -113,10 +119,8 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
   // this warp's k32 steps: an even share of K / 32 (K need not divide by 32 * KSPLIT)
   const int steps = K / 32, k_begin = 32 * (ks * steps / KSPLIT), k_end = 32 * ((ks + 1) * steps / KSPLIT);
 
-  const size_t wrow = (size_t(e) * R + r0 + g) * K + 8 * c;  // this lane's row g, k offset 8c
-  const __nv_bfloat16* a0 = w0 + wrow;
-  const __nv_bfloat16* a1 = kGateUp ? w1 + wrow : nullptr;
-  const size_t hi = size_t(8) * K;  // row g + 8
+  const __nv_bfloat16* a = (mat ? w1 : w0) + (size_t(e) * R + r0 + g) * K + 8 * c;  // row g, k offset 8c
+  const size_t hi = size_t(8) * K;                                                   // row g + 8
 
   for (int t0 = 0; t0 < n; t0 += 8 * NG) {
     const int groups = min(NG, (n - t0 + 7) / 8);
@@ -125,54 +129,41 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
     for (int t = 0; t < NG; ++t) {  // token g of group t; rows past n repeat the last (never stored)
       xrow[t] = x + size_t(start + min(t0 + 8 * t + g, n - 1)) * K + 8 * c;
     }
-    float acc0[NG][4] = {}, acc1[NG][4] = {};
+    float acc[NG][4] = {};
 
     int k = k_begin;
     for (; k + 32 * UNROLL <= k_end; k += 32 * UNROLL) {
-      uint4 lo0[UNROLL], hi0[UNROLL], lo1[UNROLL], hi1[UNROLL];
+      uint4 lo[UNROLL], up[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {  // all loads first: UNROLL * 1-2 KB in flight per warp
-        lo0[u] = ld_stream(a0 + k + 32 * u);
-        hi0[u] = ld_stream(a0 + hi + k + 32 * u);
-        if constexpr (kGateUp) {
-          lo1[u] = ld_stream(a1 + k + 32 * u);
-          hi1[u] = ld_stream(a1 + hi + k + 32 * u);
-        }
+      for (int u = 0; u < UNROLL; ++u) {  // all loads first: UNROLL KB in flight per warp
+        lo[u] = ld_stream(a + k + 32 * u);
+        up[u] = ld_stream(a + hi + k + 32 * u);
       }
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        step(acc0, lo0[u], hi0[u], xrow, k + 32 * u, groups);
-        if constexpr (kGateUp) step(acc1, lo1[u], hi1[u], xrow, k + 32 * u, groups);
-      }
+      for (int u = 0; u < UNROLL; ++u) step(acc, lo[u], up[u], xrow, k + 32 * u, groups);
     }
-    for (; k < k_end; k += 32) {  // the share's remainder
-      step(acc0, ld_stream(a0 + k), ld_stream(a0 + hi + k), xrow, k, groups);
-      if constexpr (kGateUp) step(acc1, ld_stream(a1 + k), ld_stream(a1 + hi + k), xrow, k, groups);
-    }
+    for (; k < k_end; k += 32) step(acc, ld_stream(a + k), ld_stream(a + hi + k), xrow, k, groups);
 
-    if constexpr (KSPLIT > 1) {  // the K shares meet: ks >= 1 park their sums, ks = 0 adds them in order
-      if (ks > 0) {
-        float* dst = red[ks - 1][rt][lane];
+    float other[NG][4] = {};  // mat 1's sum (the up projection), gathered by the storing warp
+    if constexpr (kParts > 1) {  // the parts meet: all but part 0 park their sums, part 0 adds them in order
+      if (part > 0) {
 #pragma unroll
         for (int t = 0; t < NG; ++t) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            dst[t * 4 + i] = acc0[t][i];
-            if constexpr (kGateUp) dst[NG * 4 + t * 4 + i] = acc1[t][i];
-          }
+          for (int i = 0; i < 4; ++i) red[part - 1][rt][lane][t * 4 + i] = acc[t][i];
         }
       }
       __syncthreads();
-      if (ks == 0) {
+      if (part == 0) {
 #pragma unroll
-        for (int s = 0; s < KSPLIT - 1; ++s) {
-          const float* src = red[s][rt][lane];
+        for (int p = 1; p < kParts; ++p) {
 #pragma unroll
           for (int t = 0; t < NG; ++t) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              acc0[t][i] += src[t * 4 + i];
-              if constexpr (kGateUp) acc1[t][i] += src[NG * 4 + t * 4 + i];
+              const float v = red[p - 1][rt][lane][t * 4 + i];
+              if (p < KSPLIT) acc[t][i] += v;  // mat 0, another K share
+              else other[t][i] += v;           // mat 1
             }
           }
         }
@@ -181,7 +172,7 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
     }
 
     // c0, c1: (row g, tokens 2c, 2c + 1); c2, c3: (row g + 8, same tokens)
-    if (ks == 0 && store) {
+    if (part == 0 && store) {
 #pragma unroll
       for (int t = 0; t < NG; ++t) {
 #pragma unroll
@@ -189,8 +180,8 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
           const int tok = t0 + 8 * t + 2 * c + (i & 1);
           const int row = r0 + g + (i >> 1) * 8;
           if (tok < n) {
-            float v = acc0[t][i];
-            if constexpr (kGateUp) v = v / (1.f + __expf(-v)) * acc1[t][i];  // silu(gate) * up
+            float v = acc[t][i];
+            if constexpr (kMats == 2) v = v / (1.f + __expf(-v)) * other[t][i];  // silu(gate) * up
             out[size_t(start + tok) * R + row] = __float2bfloat16_rn(v);
           }
         }
@@ -202,16 +193,16 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
 }  // namespace
 
 // x [N, K] bf16; ends [El] int32 cumulative row ends; w_gate, w_up [El, R, K] bf16; h [N, R] bf16
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
+extern "C" __global__ void __launch_bounds__(32 * WARPS_GATE_UP)
     experts_gate_up(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
                     const __nv_bfloat16* __restrict__ w_gate, const __nv_bfloat16* __restrict__ w_up,
                     __nv_bfloat16* __restrict__ h, int R, int K) {
-  skinny<true>(x, ends, w_gate, w_up, h, R, K);
+  skinny<2>(x, ends, w_gate, w_up, h, R, K);
 }
 
 // h [N, K] bf16; ends [El] int32; w_down [El, R, K] bf16; y [N, R] bf16
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
+extern "C" __global__ void __launch_bounds__(32 * WARPS_DOWN)
     experts_down(const __nv_bfloat16* __restrict__ h, const int32_t* __restrict__ ends,
                  const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* __restrict__ y, int R, int K) {
-  skinny<false>(h, ends, w_down, nullptr, y, R, K);
+  skinny<1>(h, ends, w_down, w_down, y, R, K);
 }
