@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--configs",
         default="",
-        help="also time these kernel variants ROW_TILESxKSPLITxUNROLL, comma separated (a sweep: "
+        help="also time these kernel variants GATE_UP/DOWN (each ROW_TILESxKSPLITxUNROLL), comma separated (a sweep: "
         "the table's kernel column is always the runtime's default)",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")

@@ -25,33 +25,50 @@ TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights on
 
 
 @dataclass(frozen=True)
-class ExpertsConfig:
-    """Compile-time shape of the kernels: warps along the weight rows (16 rows each) and along K per
+class KernelShape:
+    """Compile-time shape of one kernel: warps along the weight rows (16 rows each) and along K per
     CTA (gate+up CTAs have twice as many: one set per matrix), and the k32 steps whose loads a warp
     issues before their MMAs."""
 
-    row_tiles: int = 4
-    ksplit: int = 1
-    unroll: int = 4
+    row_tiles: int
+    ksplit: int
+    unroll: int
 
     @staticmethod
-    def parse(text: str) -> ExpertsConfig:
-        """'ROW_TILESxKSPLITxUNROLL', e.g. '4x1x4'."""
-        return ExpertsConfig(*(int(v) for v in text.split("x")))
+    def parse(text: str) -> KernelShape:
+        """'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4'."""
+        return KernelShape(*(int(v) for v in text.split("x")))
 
     def __str__(self) -> str:
         return f"{self.row_tiles}x{self.ksplit}x{self.unroll}"
 
 
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """The two kernels' shapes (from a sweep on the H200, docs/benchmarks.md "Experts")."""
+
+    gate_up: KernelShape = KernelShape(8, 1, 4)
+    down: KernelShape = KernelShape(4, 2, 4)
+
+    @staticmethod
+    def parse(text: str) -> ExpertsConfig:
+        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4/4x2x4'."""
+        gate_up, down = text.split("/")
+        return ExpertsConfig(KernelShape.parse(gate_up), KernelShape.parse(down))
+
+    def __str__(self) -> str:
+        return f"{self.gate_up}/{self.down}"
+
+
 DEFAULT_CONFIG = ExpertsConfig()
 
 
-def experts_build_options(config: ExpertsConfig = DEFAULT_CONFIG) -> BuildOptions:
+def experts_build_options(shape: KernelShape = DEFAULT_CONFIG.gate_up) -> BuildOptions:
     defines = {
-        "ROW_TILES": config.row_tiles,
-        "KSPLIT": config.ksplit,
+        "ROW_TILES": shape.row_tiles,
+        "KSPLIT": shape.ksplit,
         "NG": TOKENS_PER_PASS // 8,
-        "UNROLL": config.unroll,
+        "UNROLL": shape.unroll,
     }
     return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -63,8 +80,8 @@ def supports_shapes(hidden: int, ffn: int) -> bool:
 
 @cache
 def _kernels(device_index: int, config: ExpertsConfig):
-    mod = load_module("moe_experts", experts_build_options(config))
-    return mod.kernel("experts_gate_up"), mod.kernel("experts_down")
+    gate_up = load_module("moe_experts", experts_build_options(config.gate_up)).kernel("experts_gate_up")
+    return gate_up, load_module("moe_experts", experts_build_options(config.down)).kernel("experts_down")
 
 
 def load_experts_kernels(
@@ -115,11 +132,11 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    rows_per_cta, W = 16 * config.row_tiles, config.row_tiles * config.ksplit
+    gu, dn = config.gate_up, config.down
     with torch.cuda.device(x.device):
         gate_up, down = _kernels(x.device.index, config)
-        launch(gate_up, grid=(-(-F_ // rows_per_cta), El), block=(2 * 32 * W,),
+        launch(gate_up, grid=(-(-F_ // (16 * gu.row_tiles)), El), block=(2 * 32 * gu.row_tiles * gu.ksplit,),
                args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
-        launch(down, grid=(-(-D // rows_per_cta), El), block=(32 * W,),
+        launch(down, grid=(-(-D // (16 * dn.row_tiles)), El), block=(32 * dn.row_tiles * dn.ksplit,),
                args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip
     return y
