@@ -189,3 +189,67 @@ def test_reference_decode_attention_gqa(fmt: str) -> None:
         assert torch.allclose(out[b], torch.einsum("hn,nhd->hd", p, vv), atol=1e-5)
     with pytest.raises(KVInputError, match="multiple"):
         reference_decode_attention(torch.randn(2, 3, D), c, seqs)
+
+
+def _state(c) -> list[torch.Tensor]:
+    """Every tensor a cache writes (pages, scales, offsets, the bf16 region's live rows; its rows
+    past a sequence's tail are scratch, unspecified)."""
+    if c.format != "fp2":
+        return [c.k_pages, c.v_pages]
+    hp_k, hp_v = c.hp_k.clone(), c.hp_v.clone()
+    S = c.spec.num_sinks
+    for slot, n in c.tables.lens.items():
+        live = min(n, S) if n <= S else n - c.rule.num_quantized(n)  # sinks + tail rows
+        hp_k[slot, :, live:] = 0
+        hp_v[slot, :, live:] = 0
+    out = [hp_k, hp_v]
+    for side in (c.k, c.v):
+        out += [side.codes, side.scales] + ([side.offsets] if side.offsets is not None else [])
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_append_equals_per_sequence_appends(fmt: str) -> None:
+    """append_decode over a batch writes exactly what one append per sequence writes: sequences at
+    different lengths (sinks, a filling tail, flushes, page boundaries), joining and leaving."""
+    a, b = _cache(fmt, num_pages=24, max_seqs=6), _cache(fmt, num_pages=24, max_seqs=6)
+    gen = torch.Generator().manual_seed(5)
+    starts = [0, 3, 31, 46, 63, 90]  # prefilled lengths before the decode steps
+    seqs = []
+    for n0 in starts:
+        sa, sb = a.new_sequence(), b.new_sequence()
+        assert sa == sb
+        if n0:
+            k, v = _tokens(n0, seed=n0)
+            a.append(sa, k, v)
+            b.append(sb, k, v)
+        seqs.append(sa)
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]  # half of them leave at step 40
+        k = torch.randn(len(live), H, D, generator=gen)
+        v = torch.randn(len(live), H, D, generator=gen)
+        for i, s in enumerate(live):
+            a.append(s, k[i : i + 1], v[i : i + 1])
+        b.append_decode(live, k, v)
+        assert [a.seq_len(s) for s in live] == [b.seq_len(s) for s in live]
+        assert a.tables.pages == b.tables.pages
+    for ta, tb in zip(_state(a), _state(b), strict=True):
+        assert torch.equal(ta, tb)
+
+
+def test_decode_append_refuses_and_writes_nothing() -> None:
+    c = _cache("fp2", num_pages=3, layer_idx=2)
+    s0, s1 = c.new_sequence(), c.new_sequence()
+    k, v = _tokens(40)
+    c.append(s0, k, v)
+    before = [t.clone() for t in _state(c)]
+    bad = torch.zeros(2, H, D)
+    bad[1, 1, 7] = float("nan")
+    with pytest.raises(KVInputError, match=r"layer 2, KV head 1, position 0"):
+        c.append_decode([s0, s1], torch.zeros(2, H, D), bad)
+    with pytest.raises(KVInputError, match="twice"):
+        c.append_decode([s0, s0], torch.zeros(2, H, D), torch.zeros(2, H, D))
+    with pytest.raises(KVInputError, match=r"\[2, H, D\]"):
+        c.append_decode([s0, s1], torch.zeros(3, H, D), torch.zeros(3, H, D))
+    assert (c.seq_len(s0), c.seq_len(s1)) == (40, 0)
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(c), strict=True))

@@ -47,6 +47,12 @@ class KVPartition(Protocol):
         self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
     ) -> None: ...
 
+    def write_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """One token per decode sequence, k, v [B, Hkv, Dh]: `write` of each row, batched."""
+        ...
+
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def roundtrip(
@@ -134,6 +140,12 @@ class TorchPagedKV:
         pages, offs = self._slots(seq_id, start_pos, k.shape[0])
         self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)
         self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)
+
+    def write_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        for i, (seq_id, pos) in enumerate(zip(seq_ids, positions, strict=True)):
+            self.write(layer_idx, seq_id, pos, k[i : i + 1], v[i : i + 1])
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

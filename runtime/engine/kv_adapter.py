@@ -119,6 +119,19 @@ class RuntimeKVPartition:
             )
         cache.append(slot, k, v)
 
+    def write_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """One token per decode sequence, k, v [B, Hkv, Dh]: the cache's batched append."""
+        cache, slots = self.caches[layer_idx], [self._slots[s][layer_idx] for s in seq_ids]
+        for seq_id, slot, pos in zip(seq_ids, slots, positions, strict=True):
+            if pos != cache.tables.lens[slot]:
+                raise ZerodramError(
+                    f"layer {layer_idx} sequence {seq_id}: write at position {pos}, cache holds "
+                    f"{cache.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
+                )
+        cache.append_decode(slots, k, v)
+
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

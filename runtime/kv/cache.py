@@ -9,6 +9,7 @@ Every format shares the page allocator and block tables; only the page contents 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -117,6 +118,51 @@ class KVCache(ABC):
             self.tables.pages[seq_id].extend(self.allocator.allocate(need))
         self._write(seq_id, pos0, k, v)
         self.tables.lens[seq_id] = pos0 + k.shape[0]
+
+    def append_decode(self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token to each of B distinct sequences (a decode step). k, v: [B, H, D].
+
+        The same cache contents as B calls of `append(seq_ids[i], k[i:i+1], v[i:i+1])`, in a
+        number of tensor operations that does not grow with B (the formats batch the writes), one
+        finite check for the whole batch, and no change at all when any check fails.
+
+        Raises:
+            KVInputError: unknown or repeated sequence, wrong shape / dtype / device, NaN or Inf.
+            KVCapacityError: the page pool or a block table cannot hold the new tokens.
+        """
+        seq_ids = list(seq_ids)
+        for sid in seq_ids:
+            self.tables.check(sid)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
+        self._check_input(k, "K")
+        self._check_input(v, "V")
+        if k.shape != v.shape or k.shape[0] != len(seq_ids):
+            raise KVInputError(
+                f"K {tuple(k.shape)} and V {tuple(v.shape)} must both be [{len(seq_ids)}, H, D], one row per sequence"
+            )
+        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
+            for i, sid in enumerate(seq_ids):  # the error path: name the first offender
+                check_finite(k[i : i + 1], what="K", layer_idx=self.layer_idx, pos0=self.tables.lens[sid])
+                check_finite(v[i : i + 1], what="V", layer_idx=self.layer_idx, pos0=self.tables.lens[sid])
+        pos0 = [self.tables.lens[sid] for sid in seq_ids]
+        need = [self._pages_needed(p, 1) - len(self.tables.pages[sid]) for sid, p in zip(seq_ids, pos0, strict=True)]
+        if sum(max(n, 0) for n in need) > self.allocator.num_free:
+            self.allocator.allocate(sum(max(n, 0) for n in need))  # raises KVCapacityError, takes nothing
+        for sid, n in zip(seq_ids, need, strict=True):
+            if n > 0:
+                self._check_table_width(sid, n)
+        for sid, n in zip(seq_ids, need, strict=True):
+            if n > 0:
+                self.tables.pages[sid].extend(self.allocator.allocate(n))
+        self._write_decode(seq_ids, pos0, k, v)
+        for sid, p in zip(seq_ids, pos0, strict=True):
+            self.tables.lens[sid] = p + 1
+
+    def _write_decode(self, seq_ids: list[int], pos0: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one token per sequence (pages already allocated); formats override with one batch."""
+        for i, (sid, p) in enumerate(zip(seq_ids, pos0, strict=True)):
+            self._write(sid, p, k[i : i + 1], v[i : i + 1])
 
     def _check_table_width(self, seq_id: int, need: int) -> None:
         from zerodram.runtime.kv.errors import KVCapacityError

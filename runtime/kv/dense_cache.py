@@ -39,6 +39,13 @@ class DenseKVCache(KVCache):
             self.k_pages[pages[p], :, r] = self._encode(k[j])
             self.v_pages[pages[p], :, r] = self._encode(v[j])
 
+    def _write_decode(self, seq_ids, pos0, k, v):
+        pages = [self.tables.pages[sid][p // self.page_size] for sid, p in zip(seq_ids, pos0, strict=True)]
+        page_t = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)  # [B]
+        row_t = torch.tensor([p % self.page_size for p in pos0], dtype=torch.long).to(self.device, non_blocking=True)
+        self.k_pages[page_t, :, row_t] = self._encode(k)  # [B, H, D] into (page, :, row) of each
+        self.v_pages[page_t, :, row_t] = self._encode(v)
+
     def _copy_page(self, src, dst):
         self.k_pages[dst] = self.k_pages[src]
         self.v_pages[dst] = self.v_pages[src]

@@ -124,6 +124,53 @@ class Fp2KVCache(KVCache):
             rest = stream[f1 - f0 :]
             hp[seq_id, :, S : S + rest.shape[0]] = rest.transpose(0, 1)
 
+    def _write_decode(self, seq_ids, pos0, k, v):
+        # One token per sequence, every sequence at once: the same rows and pages as `_write`, in
+        # a fixed number of tensor ops. A token goes to its sink row or the end of its tail; the
+        # sequences whose tail then holds W + F rows flush their oldest F (one quantize call for
+        # all of them: flushes are independent) and move the other W up.
+        S, P, F, dev = self.spec.num_sinks, self.page_size, self.rule.flush, self.device
+        rows, flushing, f0s = [], [], []
+        for i, p in enumerate(pos0):
+            f0 = self._flushed(p)
+            rows.append(p if p < S else p - f0)  # sink row, or S + tail length
+            if self._flushed(p + 1) > f0:
+                flushing.append(i)
+                f0s.append(f0)
+
+        def to_dev(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+        slot_t, row_t = to_dev(seq_ids), to_dev(rows)  # [B]
+        if flushing:
+            fl_slot = to_dev([seq_ids[i] for i in flushing])  # [Bf]
+            # FP2 token f0 + j of flushing sequence i: page and row, for every j < F (one page: F | P)
+            page_rows = [
+                (self.tables.pages[seq_ids[i]][f0 // P], f0 % P + j) for i, f0 in zip(flushing, f0s, strict=True) for j in range(F)
+            ]
+            page_t, prow_t = to_dev([pr[0] for pr in page_rows]), to_dev([pr[1] for pr in page_rows])  # [Bf * F]
+        W = self.rule.window
+        for pages, hp, side, params, x in (
+            (self.k, self.hp_k, self.spec.k, self.params[0], k),
+            (self.v, self.hp_v, self.spec.v, self.params[1], v),
+        ):
+            hp[slot_t, :, row_t] = to_stored_space(x, params).to(torch.bfloat16)  # [B, H, D]
+            if not flushing:
+                continue
+            y = hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])  # [Bf * F, H, D]
+            codes, scales, offsets = quantize_stored(y.float(), side, params)
+            pages.codes[page_t, :, prow_t] = pack_codes(codes)  # [Bf * F, H, D/16]
+            raw = encode_scale(scales, side.scale_dtype)
+            if side.block_axis == "channel":
+                srow_page, srow = page_t, prow_t
+            else:  # token blocks: one scale row per BS tokens, blocks never straddle flushes
+                bs = side.block_size
+                srow_page, srow = page_t[::bs], torch.div(prow_t[::bs], bs, rounding_mode="floor")
+            pages.scales[srow_page, :, srow] = raw
+            if pages.offsets is not None:
+                pages.offsets[srow_page, :, srow] = offsets.to(torch.bfloat16)
+            hp[fl_slot, :, S : S + W] = hp[fl_slot, :, S + F : S + F + W]  # the read is a copy
+
     def _flush(self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y) -> None:
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
         into their page rows."""

@@ -26,6 +26,12 @@ class KVStore(Protocol):
         """Store k, v [n, Hkv, Dh] of `seq_id` at positions [start_pos, start_pos + n)."""
         ...
 
+    def write_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """One token per decode sequence (k, v [B, Hkv, Dh]): `write` of each row, batched."""
+        ...
+
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` keys and values of `seq_id`, [L, Hkv, Dh] in the compute dtype."""
         ...
@@ -67,8 +73,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         B = batch.num_decode
         if B:
-            for i, (seq_id, pos) in enumerate(zip(batch.decode_seq_ids, batch.decode_positions, strict=True)):
-                self.kv.write(layer_idx, seq_id, pos, k[i : i + 1], v[i : i + 1])
+            self.kv.write_decode(layer_idx, batch.decode_seq_ids, batch.decode_positions, k[:B], v[:B])
             lengths = tuple(p + 1 for p in batch.decode_positions)
             out[:B] = self.decode(layer_idx, q[:B], batch.decode_seq_ids, lengths)
         row = B
