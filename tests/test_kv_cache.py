@@ -208,33 +208,41 @@ def _state(c) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_append_equals_per_sequence_appends(fmt: str) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "device"),
+    [(f, "cpu") for f in FORMATS] + [pytest.param("fp2", "cuda", marks=pytest.mark.gpu)],  # CUDA: the feedback kernel
+)
+def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> None:
     """append_decode over a batch writes exactly what one append per sequence writes: sequences at
     different lengths (sinks, a filling tail, flushes, page boundaries), joining and leaving."""
-    a, b = _cache(fmt, num_pages=24, max_seqs=6), _cache(fmt, num_pages=24, max_seqs=6)
+    a, b = (_cache(fmt, num_pages=24, max_seqs=6, device=device) for _ in range(2))
+    b2 = _cache(fmt, num_pages=24, max_seqs=6, device=device)  # a second "layer" of b's partition
+    if hasattr(b, "index_memo"):
+        b2.index_memo = b.index_memo  # as RuntimeKVPartition shares it: b2 reuses b's indices
     gen = torch.Generator().manual_seed(5)
     starts = [0, 3, 31, 46, 63, 90]  # prefilled lengths before the decode steps
     seqs = []
     for n0 in starts:
         sa, sb = a.new_sequence(), b.new_sequence()
-        assert sa == sb
+        assert sa == sb == b2.new_sequence()
         if n0:
-            k, v = _tokens(n0, seed=n0)
+            k, v = (t.to(device) for t in _tokens(n0, seed=n0))
             a.append(sa, k, v)
             b.append(sb, k, v)
+            b2.append(sb, k, v)
         seqs.append(sa)
     for step in range(70):
         live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]  # half of them leave at step 40
-        k = torch.randn(len(live), H, D, generator=gen)
-        v = torch.randn(len(live), H, D, generator=gen)
+        k = torch.randn(len(live), H, D, generator=gen).to(device)
+        v = torch.randn(len(live), H, D, generator=gen).to(device)
         for i, s in enumerate(live):
             a.append(s, k[i : i + 1], v[i : i + 1])
         b.append_decode(live, k, v)
+        b2.append_decode(live, k, v)
         assert [a.seq_len(s) for s in live] == [b.seq_len(s) for s in live]
-        assert a.tables.pages == b.tables.pages
-    for ta, tb in zip(_state(a), _state(b), strict=True):
-        assert torch.equal(ta, tb)
+        assert a.tables.pages == b.tables.pages == b2.tables.pages
+    for ta, tb, tb2 in zip(_state(a), _state(b), _state(b2), strict=True):
+        assert torch.equal(ta, tb) and torch.equal(ta, tb2)
 
 
 def test_decode_append_refuses_and_writes_nothing() -> None:

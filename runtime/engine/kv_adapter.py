@@ -60,6 +60,12 @@ class RuntimeKVPartition:
             )
             for i in range(num_layers)
         ]
+        if hasattr(self.caches[0], "index_memo"):  # FP2: one step's decode-append indices serve every layer
+            from zerodram.runtime.kv.fp2_cache import DecodeIndexMemo
+
+            memo = DecodeIndexMemo()
+            for c in self.caches:
+                c.index_memo = memo
         self.page_size = self.caches[0].page_size
         bits = self.caches[0].bits_per_elem(self.page_size)
         self.page_bytes = int(2 * num_layers * self.page_size * num_kv_heads * head_dim * bits / 8)

@@ -10,6 +10,8 @@ same bf16 tail rows, appending token by token and appending a chunk produce iden
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
@@ -47,6 +49,29 @@ class _SidePages:
         self.scales[dst] = self.scales[src]
         if self.offsets is not None:
             self.offsets[dst] = self.offsets[src]
+
+
+@dataclass(frozen=True)
+class _DecodeIndices:
+    """Where a decode append writes, on the cache's device: slot [B] and bf16 row [B] of each new
+    token; the flushing sequences' slots [Bf] (None: no flush) and the page and page row of each
+    of their F flushed tokens [Bf * F]."""
+
+    slot: torch.Tensor
+    row: torch.Tensor
+    fl_slot: torch.Tensor | None
+    page: torch.Tensor
+    page_row: torch.Tensor
+
+
+@dataclass
+class DecodeIndexMemo:
+    """The last decode append's indices (key: sequences, rows, flushes). A partition gives all of
+    its layers' caches one memo, so a step copies its indices to the device once, not per layer."""
+
+    key: tuple | None = None
+    device: torch.device | None = None
+    value: _DecodeIndices | None = None
 
 
 class Fp2KVCache(KVCache):
@@ -87,6 +112,7 @@ class Fp2KVCache(KVCache):
         n_slots = self.tables.max_seqs
         self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots, H, S + F, D]
         self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
+        self.index_memo = DecodeIndexMemo()  # the owner may replace it with one its caches share
 
     # -- accounting --
     def _flushed(self, n: int) -> int:
@@ -129,34 +155,17 @@ class Fp2KVCache(KVCache):
         # a fixed number of tensor ops. A token goes to its sink row or the end of its tail; the
         # sequences whose tail then holds W + F rows flush their oldest F (one quantize call for
         # all of them: flushes are independent) and move the other W up.
-        S, P, F, dev = self.spec.num_sinks, self.page_size, self.rule.flush, self.device
-        rows, flushing, f0s = [], [], []
-        for i, p in enumerate(pos0):
-            f0 = self._flushed(p)
-            rows.append(p if p < S else p - f0)  # sink row, or S + tail length
-            if self._flushed(p + 1) > f0:
-                flushing.append(i)
-                f0s.append(f0)
-
-        def to_dev(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
-
-        slot_t, row_t = to_dev(seq_ids), to_dev(rows)  # [B]
-        if flushing:
-            fl_slot = to_dev([seq_ids[i] for i in flushing])  # [Bf]
-            # FP2 token f0 + j of flushing sequence i: page and row, for every j < F (one page: F | P)
-            page_rows = [
-                (self.tables.pages[seq_ids[i]][f0 // P], f0 % P + j) for i, f0 in zip(flushing, f0s, strict=True) for j in range(F)
-            ]
-            page_t, prow_t = to_dev([pr[0] for pr in page_rows]), to_dev([pr[1] for pr in page_rows])  # [Bf * F]
+        idx = self._decode_indices(seq_ids, pos0)
+        S, F = self.spec.num_sinks, self.rule.flush
         W = self.rule.window
         for pages, hp, side, params, x in (
             (self.k, self.hp_k, self.spec.k, self.params[0], k),
             (self.v, self.hp_v, self.spec.v, self.params[1], v),
         ):
-            hp[slot_t, :, row_t] = to_stored_space(x, params).to(torch.bfloat16)  # [B, H, D]
-            if not flushing:
+            hp[idx.slot, :, idx.row] = to_stored_space(x, params).to(torch.bfloat16)  # [B, H, D]
+            if idx.fl_slot is None:
                 continue
+            fl_slot, page_t, prow_t = idx.fl_slot, idx.page, idx.page_row
             y = hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])  # [Bf * F, H, D]
             codes, scales, offsets = quantize_stored(y.float(), side, params)
             pages.codes[page_t, :, prow_t] = pack_codes(codes)  # [Bf * F, H, D/16]
@@ -170,6 +179,38 @@ class Fp2KVCache(KVCache):
             if pages.offsets is not None:
                 pages.offsets[srow_page, :, srow] = offsets.to(torch.bfloat16)
             hp[fl_slot, :, S : S + W] = hp[fl_slot, :, S + F : S + F + W]  # the read is a copy
+
+    def _decode_indices(self, seq_ids: list[int], pos0: list[int]) -> _DecodeIndices:
+        """The device index tensors of a decode append; every layer of a step asks for the same
+        ones, so they come from `index_memo` (shared by a partition's caches) after the first."""
+        S, P, F = self.spec.num_sinks, self.page_size, self.rule.flush
+        rows, flushing = [], []
+        for sid, p in zip(seq_ids, pos0, strict=True):
+            f0 = self._flushed(p)
+            rows.append(p if p < S else p - f0)  # sink row, or S + tail length
+            if self._flushed(p + 1) > f0:
+                flushing.append((sid, self.tables.pages[sid][f0 // P], f0 % P))
+        key = (tuple(seq_ids), tuple(rows), tuple(flushing))
+        if self.index_memo.key == key and self.index_memo.device == self.device:
+            return self.index_memo.value
+        # one host buffer, one copy: slots, rows [B]; flushing slots [Bf]; their pages and page rows [Bf * F]
+        fl_pages = [(page, r0 + j) for _, page, r0 in flushing for j in range(F)]
+        host = torch.tensor(
+            [*seq_ids, *rows, *(f[0] for f in flushing), *(p for p, _ in fl_pages), *(r for _, r in fl_pages)],
+            dtype=torch.long,
+        )
+        dev = host.to(self.device, non_blocking=True)
+        B, Bf = len(seq_ids), len(flushing)
+        o = 2 * B + Bf
+        value = _DecodeIndices(
+            slot=dev[:B],
+            row=dev[B : 2 * B],
+            fl_slot=dev[2 * B : o] if Bf else None,
+            page=dev[o : o + Bf * F],
+            page_row=dev[o + Bf * F :],
+        )
+        self.index_memo.key, self.index_memo.device, self.index_memo.value = key, self.device, value
+        return value
 
     def _flush(self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y) -> None:
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
