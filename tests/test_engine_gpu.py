@@ -25,14 +25,14 @@ FP2_SPEC = "fp2:tail=1,window=7"  # the kernels' format; FP2 pages from the prom
 
 
 def _greedy(
-    model: str, ctx, prompts: list, max_tokens: int, kv: str, **cfg
+    model: str, ctx, prompts: list, max_tokens: int, kv: str, dtype: str = "fp32", **cfg
 ) -> tuple[list[list[int]], object]:
     """Greedy tokens of our engine (small prefill chunks, as test_engine_support.engine_greedy)."""
     config = EngineConfig(
         kv_format=kv, num_kv_pages=64, page_size=4 if kv == "fp32" else 32,
         scheduler=SchedulerConfig(4, 16, 4), **cfg,
     )  # fmt: skip
-    engine = build_engine(model, ctx, config)
+    engine = build_engine(model, ctx, config, dtype=dtype)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs], engine
 
@@ -128,3 +128,22 @@ def test_gpu_cuda_graphs_give_the_eager_tokens(model: str, kv: str, tiny_mixtral
     graphs, engine = _greedy(path, CUDA, prompts, 16, kv, cuda_graphs=True)
     assert engine.graphs is not None and all(s.graphs is not None for s in engine.graphs.steps.values())
     assert _compare(f"{model} {kv} graphs vs eager", graphs, eager) == 1.0
+
+
+def test_gpu_bf16_weights_route_experts_through_the_kernel_in_graphs_and_eager() -> None:
+    """bf16 weights (random tiny-moe: dims the kernel takes): decode-sized expert calls, eager and
+    captured, take the routed decode expert kernel (`RoutedLocalExperts`); graphs and eager must give
+    the same tokens, and most tokens must match the fp32-weight engine (bf16 weights: a near-tie on
+    a random model may part)."""
+    from zerodram.runtime.model.ep import RoutedLocalExperts
+
+    model = "random:tiny-moe"
+    eager, e_engine = _greedy(model, CUDA, PROMPTS, 16, "bf16", dtype="bf16")
+    graphs, g_engine = _greedy(model, CUDA, PROMPTS, 16, "bf16", dtype="bf16", cuda_graphs=True)
+    moe = [layer for layer in e_engine.model.layers if layer.is_moe]
+    assert moe and all(layer.ep.routed is not None for layer in moe)
+    twins = [ep for step in g_engine.graphs.steps.values() for ep in step.eps if ep is not None]
+    assert twins and all(isinstance(ep, RoutedLocalExperts) for ep in twins)
+    assert _compare("tiny-moe bf16 weights: graphs vs eager", graphs, eager) == 1.0
+    fp32, _ = _greedy(model, CUDA, PROMPTS, 16, "bf16")
+    assert _compare("tiny-moe bf16 vs fp32 weights", eager, fp32) >= 0.5

@@ -14,7 +14,13 @@ from zerodram.runtime.engine.engine import Engine
 from zerodram.runtime.engine.graphs import DecodeGraphs, bucket_sizes
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.loading.random_init import random_weights
-from zerodram.runtime.model.ep import AllGatherEP, DenseLocalExperts, LocalExperts
+from zerodram.runtime.model.ep import (
+    AllGatherEP,
+    DenseLocalExperts,
+    LocalExperts,
+    RoutedLocalExperts,
+    capturable_ep,
+)
 from zerodram.runtime.model.named import NAMED_CONFIGS
 from zerodram.runtime.model.transformer import Transformer
 
@@ -100,6 +106,57 @@ def test_dense_local_experts_equal_the_routed_ones() -> None:
     idx, w = layer.router(x)
     assert isinstance(layer.ep, LocalExperts)
     torch.testing.assert_close(DenseLocalExperts(layer.ep.experts)(x, idx, w), layer.ep(x, idx, w))
+
+
+@pytest.mark.parametrize("T", [0, 1, 5, 16])
+def test_routed_local_experts_equal_the_per_expert_loop(T: int) -> None:
+    """The device-side packing (stable sort, counts, un-permute, weighted sum) with runtime/moe's
+    reference path; a shard holding only some experts weighs the others' choices zero."""
+    from zerodram.runtime.model.moe import ExpertWeights
+
+    cfg = NAMED_CONFIGS["tiny-moe"]
+    model = Transformer(cfg, random_weights(cfg, None, 0, seed=3, dtype=torch.float32))
+    layer = model.layers[0]
+    x = torch.randn(T, cfg.hidden_size)
+    idx, w = layer.router(x)
+    full = layer.ep.experts
+    torch.testing.assert_close(RoutedLocalExperts(full, "loop")(x, idx, w), full.forward(x, idx, w))
+    keep = [1, 4, 6]  # a rank's shard: choices of the other experts contribute nothing
+    part = ExpertWeights(tuple(keep), full.w_gate[keep], full.w_up[keep], full.w_down[keep])
+    torch.testing.assert_close(RoutedLocalExperts(part, "loop")(x, idx, w), part.forward(x, idx, w))
+    assert isinstance(capturable_ep(layer.ep), DenseLocalExperts)  # CPU: the kernel does not apply
+
+
+@pytest.mark.gpu
+def test_gpu_routed_local_experts_capture_and_match() -> None:
+    """On a GPU with bf16 weights the captured twin is the routed kernel path; replayed with new
+    routing it matches the eager per-expert loop (bf16 tolerances: docs/benchmarks.md, Experts)."""
+    from zerodram.runtime.model.moe import ExpertWeights
+
+    gen = torch.Generator().manual_seed(4)
+    El, D, F_, K, T = 8, 256, 512, 2, 6
+    w = [(torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(torch.bfloat16).cuda() for s in ((El, F_, D), (El, F_, D), (El, D, F_))]
+    experts = ExpertWeights(tuple(range(El)), *w)
+    ep = LocalExperts(experts)
+    twin = capturable_ep(ep)
+    assert isinstance(twin, RoutedLocalExperts) and ep.routed is not None
+    x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    idx = torch.zeros(T, K, dtype=torch.int64, device="cuda")
+    wt = torch.zeros(T, K, device="cuda")
+    twin(x, idx, wt)  # compile before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = twin(x, idx, wt)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        idx.copy_(torch.rand(T, El, generator=g).topk(K, dim=1).indices)
+        wt.copy_(torch.rand(T, K, generator=g).softmax(-1))
+        x.copy_(torch.randn(T, D, generator=g))
+        graph.replay()
+        want = experts.forward(x, idx, wt).float()
+        torch.testing.assert_close(y.float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(ep(x, idx, wt), y)  # eager decode-sized steps take the same path
 
 
 def test_experts_that_cannot_be_captured_are_refused() -> None:

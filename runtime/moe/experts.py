@@ -100,22 +100,24 @@ def has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def kernel_applies(x: torch.Tensor, shard: ExpertShard) -> bool:
-    """Whether the decode kernel takes these rows and weights (CUDA, bf16, dims multiple of 32)."""
+def kernel_applies(shard: ExpertShard, x: torch.Tensor | None = None) -> bool:
+    """Whether the decode kernel takes these weights (CUDA, bf16, dims multiple of 32) and rows x
+    (same device and dtype; None: any rows that match the weights)."""
     from zerodram.kernels.experts import supports_shapes
 
+    w = shard.w_gate
     return (
-        x.device.type == "cuda"
-        and x.dtype == torch.bfloat16
-        and shard.w_gate.dtype == torch.bfloat16
-        and supports_shapes(shard.w_gate.shape[2], shard.w_gate.shape[1])
+        w.device.type == "cuda"
+        and w.dtype == torch.bfloat16
+        and (x is None or (x.device == w.device and x.dtype == w.dtype))
+        and supports_shapes(w.shape[2], w.shape[1])
     )
 
 
 def choose_experts_path(x: torch.Tensor, shard: ExpertShard, sent_rows: int | None) -> ExpertsPath:
     """`kernel` for a decode-sized step where it applies, else `grouped` where available, else `loop`."""
     small = sent_rows is not None and sent_rows <= KERNEL_ROWS_PER_EXPERT * shard.num_local_experts
-    if small and kernel_applies(x, shard):
+    if small and kernel_applies(shard, x):
         return "kernel"
     return "grouped" if has_grouped_mm(x.device.type, x.dtype) else "loop"
 
