@@ -34,6 +34,14 @@ class KernelShape:
     ksplit: int
     unroll: int
 
+    def __post_init__(self) -> None:
+        # every module compiles both kernels: gate+up's block (2 * warps) and its shared partial sums
+        # ((2 * ksplit - 1) * row_tiles * 2 KB, static, at most 48 KB) bound every shape
+        if min(self.row_tiles, self.ksplit, self.unroll) < 1 or 2 * 32 * self.row_tiles * self.ksplit > 1024:
+            raise ConfigError(f"kernel shape {self}: need positive sizes and 2 * 32 * row_tiles * ksplit <= 1024")
+        if (2 * self.ksplit - 1) * self.row_tiles * 2048 > 48 * 1024:
+            raise ConfigError(f"kernel shape {self}: (2 * ksplit - 1) * row_tiles * 2 KB of shared memory > 48 KB")
+
     @staticmethod
     def parse(text: str) -> KernelShape:
         """'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4'."""
@@ -74,8 +82,8 @@ def experts_build_options(shape: KernelShape = DEFAULT_CONFIG.gate_up) -> BuildO
 
 
 def supports_shapes(hidden: int, ffn: int) -> bool:
-    """Whether the kernels take experts of this shape (both reduction dims a multiple of 32)."""
-    return hidden % 32 == 0 and ffn % 32 == 0
+    """Whether the kernels take experts of this shape (both reduction dims positive multiples of 32)."""
+    return hidden > 0 and ffn > 0 and hidden % 32 == 0 and ffn % 32 == 0
 
 
 @cache
@@ -101,8 +109,8 @@ def swiglu_experts_cuda(
     config: ExpertsConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:
     """x [N, D] bf16 packed rows; ends [El] int32 cumulative row ends (on the device); w_gate, w_up
-    [El, F, D] and w_down [El, D, F] bf16, contiguous. Returns [N, D] bf16; rows past ends[-1] are
-    unspecified.
+    [El, F, D] and w_down [El, D, F] bf16, contiguous, 16-byte aligned (ends: 4). Returns [N, D] bf16;
+    rows past ends[-1] are unspecified.
 
     Raises:
         ConfigError: a tensor not on x's CUDA device, not bf16 / int32, not contiguous, or shapes that
@@ -114,11 +122,12 @@ def swiglu_experts_cuda(
     El, F_ = w_gate.shape[0], w_gate.shape[1]
     want = {"w_gate": (El, F_, D), "w_up": (El, F_, D), "w_down": (El, D, F_), "ends": (El,)}
     for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down), ("ends", ends)):
-        dtype = torch.int32 if name == "ends" else torch.bfloat16
-        if t.device != x.device or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16:
+        # rows are read 16 bytes at a time; ends one int32 at a time (a slice of a bigger buffer is fine)
+        dtype, align = (torch.int32, 4) if name == "ends" else (torch.bfloat16, 16)
+        if t.device != x.device or t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % align:
             raise ConfigError(
-                f"{name}: want a contiguous, 16-byte aligned {dtype} tensor on {x.device}, got {t.dtype} on "
-                f"{t.device} (contiguous={t.is_contiguous()})"
+                f"{name}: want a contiguous, {align}-byte aligned {dtype} tensor on {x.device}, got {t.dtype} on "
+                f"{t.device} (contiguous={t.is_contiguous()}, address % {align} = {t.data_ptr() % align})"
             )
         if name in want and tuple(t.shape) != want[name]:
             raise ConfigError(

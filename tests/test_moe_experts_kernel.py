@@ -38,6 +38,17 @@ def _shard(El: int, D: int, F: int, seed: int, device: str = "cpu") -> ExpertSha
     )
 
 
+def test_kernel_shapes_are_checked() -> None:
+    from zerodram.kernels.experts import ExpertsConfig, KernelShape, supports_shapes
+
+    assert str(ExpertsConfig.parse("8x1x4/4x2x4")) == "8x1x4/4x2x4"
+    with pytest.raises(ConfigError, match="1024"):
+        KernelShape(16, 2, 4)  # 2 * 32 * 32 threads
+    with pytest.raises(ConfigError, match="shared memory"):
+        KernelShape(4, 4, 4)  # 7 * 4 * 2 KB
+    assert not supports_shapes(0, 64) and not supports_shapes(64, 48) and supports_shapes(576, 1536)
+
+
 def test_path_choice_on_cpu() -> None:
     shard = _shard(4, 64, 128, seed=1)
     x = torch.randn(8, 64).to(torch.bfloat16)
@@ -84,6 +95,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, shard: ExpertSh
         (256, 512, [0, 1, 7, 8, 9, 0, 31, 32, 33, 70, 0]),  # empty experts, group and pass edges
         (576, 1536, [3, 0, 17]),  # SmolLM2's dims: K % 128 != 0 takes the remainder loop
         (1024, 2048, [1]),
+        (608, 544, [5, 0, 9]),  # R % (16 * row tiles) != 0 (spare row tiles), K / 32 odd (uneven K split)
         (8192, 16384, [2, 5]),  # seed-700b's expert shape, 1.6 GB of weights
     ],
 )

@@ -19,14 +19,15 @@
 //
 // grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT (x2 for gate+up): warp
 // (mat, ks, rt) of CTA (bx, e) owns rows [16 (bx ROW_TILES + rt), +16) of expert e's matrix `mat`
-// (gate or up; down has one), the ks-th of KSPLIT shares of K, and all of the expert's n rows, TOK at a time (n > TOK re-streams the weights once per pass: callers
-// send large batches to a dense GEMM instead). Splitting K multiplies the warps streaming at once,
-// which a step touching few experts (batch 1: 2 of 32) needs to keep enough bytes in flight; the
-// shares are summed in a fixed order (deterministic). A CTA whose expert has
-// no rows exits at once, so only the active experts' weights are read and no host sync is needed
-// (capturable in a CUDA graph). Rows past the last expert's end are not written.
+// (gate or up; down has one), the ks-th of KSPLIT shares of K, and all of the expert's n rows, TOK
+// at a time (n > TOK re-streams the weights once per pass: runtime/moe/experts.py sends steps that
+// are not decode-sized to a grouped GEMM instead). Splitting K multiplies the warps streaming at
+// once, which a step touching few experts (batch 1: 2 of 32) needs to keep enough bytes in flight;
+// the shares are summed in a fixed order (deterministic). A CTA whose expert has no rows exits at
+// once, so only the active experts' weights are read and no host sync is needed (capturable in a
+// CUDA graph). Rows past the last expert's end are not written.
 //
-// Hazards: K % 32 == 0, R % 16 == 0, 16-byte aligned rows (checked by kernels/experts.py); x is read
+// Hazards: K % 32 == 0, R % 16 == 0 (both > 0), 16-byte aligned rows (checked by kernels/experts.py); x is read
 // through the non-coherent path, so it must not be written while the kernel runs (it is an earlier
 // kernel's output on the same stream). Accumulation is fp32 over the whole K; the SwiGLU product is
 // formed in fp32 and rounded once to bf16 (torch rounds gate and up to bf16 first: the reference

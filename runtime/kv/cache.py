@@ -103,19 +103,11 @@ class KVCache(ABC):
             KVCapacityError: the page pool cannot hold the new tokens (nothing written).
         """
         self.tables.check(seq_id)
-        self._check_input(k, "K")
-        self._check_input(v, "V")
-        if k.shape != v.shape:
-            raise KVInputError(f"K has shape {tuple(k.shape)} but V has {tuple(v.shape)}")
+        self._check_pair(k, v)
         pos0 = self.tables.lens[seq_id]
         check_finite(k, what="K", layer_idx=self.layer_idx, pos0=pos0)
         check_finite(v, what="V", layer_idx=self.layer_idx, pos0=pos0)
-        need = self._pages_needed(pos0, k.shape[0]) - len(self.tables.pages[seq_id])
-        if need > 0:
-            if need > self.allocator.num_free:
-                self.allocator.allocate(need)  # raises KVCapacityError, takes nothing
-            self._check_table_width(seq_id, need)
-            self.tables.pages[seq_id].extend(self.allocator.allocate(need))
+        self._grow([(seq_id, self._pages_needed(pos0, k.shape[0]))])
         self._write(seq_id, pos0, k, v)
         self.tables.lens[seq_id] = pos0 + k.shape[0]
 
@@ -135,29 +127,37 @@ class KVCache(ABC):
             self.tables.check(sid)
         if len(set(seq_ids)) != len(seq_ids):
             raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
-        self._check_input(k, "K")
-        self._check_input(v, "V")
-        if k.shape != v.shape or k.shape[0] != len(seq_ids):
-            raise KVInputError(
-                f"K {tuple(k.shape)} and V {tuple(v.shape)} must both be [{len(seq_ids)}, H, D], one row per sequence"
-            )
-        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
-            for i, sid in enumerate(seq_ids):  # the error path: name the first offender
-                check_finite(k[i : i + 1], what="K", layer_idx=self.layer_idx, pos0=self.tables.lens[sid])
-                check_finite(v[i : i + 1], what="V", layer_idx=self.layer_idx, pos0=self.tables.lens[sid])
+        self._check_pair(k, v)
+        if k.shape[0] != len(seq_ids):
+            raise KVInputError(f"K and V are {tuple(k.shape)}, need [{len(seq_ids)}, H, D]: one row per sequence")
         pos0 = [self.tables.lens[sid] for sid in seq_ids]
-        need = [self._pages_needed(p, 1) - len(self.tables.pages[sid]) for sid, p in zip(seq_ids, pos0, strict=True)]
-        if sum(max(n, 0) for n in need) > self.allocator.num_free:
-            self.allocator.allocate(sum(max(n, 0) for n in need))  # raises KVCapacityError, takes nothing
-        for sid, n in zip(seq_ids, need, strict=True):
-            if n > 0:
-                self._check_table_width(sid, n)
-        for sid, n in zip(seq_ids, need, strict=True):
-            if n > 0:
-                self.tables.pages[sid].extend(self.allocator.allocate(n))
+        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
+            for i, p in enumerate(pos0):  # the error path: name the first offender
+                check_finite(k[i : i + 1], what="K", layer_idx=self.layer_idx, pos0=p)
+                check_finite(v[i : i + 1], what="V", layer_idx=self.layer_idx, pos0=p)
+        self._grow([(sid, self._pages_needed(p, 1)) for sid, p in zip(seq_ids, pos0, strict=True)])
         self._write_decode(seq_ids, pos0, k, v)
         for sid, p in zip(seq_ids, pos0, strict=True):
             self.tables.lens[sid] = p + 1
+
+    def _check_pair(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_input(k, "K")
+        self._check_input(v, "V")
+        if k.shape != v.shape:
+            raise KVInputError(f"K has shape {tuple(k.shape)} but V has {tuple(v.shape)}")
+
+    def _grow(self, wants: list[tuple[int, int]]) -> None:
+        """Give each (sequence, pages it must hold) its missing pages: all of them, or none (raises
+        KVCapacityError when the pool or a block table is short)."""
+        need = [(sid, n - len(self.tables.pages[sid])) for sid, n in wants]
+        need = [(sid, n) for sid, n in need if n > 0]
+        total = sum(n for _, n in need)
+        if total > self.allocator.num_free:
+            self.allocator.allocate(total)  # raises KVCapacityError, takes nothing
+        for sid, n in need:
+            self._check_table_width(sid, n)
+        for sid, n in need:
+            self.tables.pages[sid].extend(self.allocator.allocate(n))
 
     def _write_decode(self, seq_ids: list[int], pos0: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one token per sequence (pages already allocated); formats override with one batch."""

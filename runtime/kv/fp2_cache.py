@@ -66,7 +66,7 @@ class _DecodeIndices:
 
 @dataclass
 class DecodeIndexMemo:
-    """The last decode append's indices (key: sequences, rows, flushes). A partition gives all of
+    """The last decode append's indices (key: layout S, P, F; sequences, rows, flushes). A partition gives all of
     its layers' caches one memo, so a step copies its indices to the device once, not per layer."""
 
     key: tuple | None = None
@@ -110,7 +110,7 @@ class Fp2KVCache(KVCache):
         self.rule = tail_rule(spec)
         rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
         n_slots = self.tables.max_seqs
-        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots, H, S + F, D]
+        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots, H, hp_rows + 1, D]
         self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
         self.index_memo = DecodeIndexMemo()  # the owner may replace it with one its caches share
 
@@ -190,7 +190,7 @@ class Fp2KVCache(KVCache):
             rows.append(p if p < S else p - f0)  # sink row, or S + tail length
             if self._flushed(p + 1) > f0:
                 flushing.append((sid, self.tables.pages[sid][f0 // P], f0 % P))
-        key = (tuple(seq_ids), tuple(rows), tuple(flushing))
+        key = (S, P, F, tuple(seq_ids), tuple(rows), tuple(flushing))
         if self.index_memo.key == key and self.index_memo.device == self.device:
             return self.index_memo.value
         # one host buffer, one copy: slots, rows [B]; flushing slots [Bf]; their pages and page rows [Bf * F]

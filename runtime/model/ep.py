@@ -39,10 +39,10 @@ class ExpertParallel(Protocol):
 
 
 class LocalExperts:
-    """All experts on this rank: no communication. Decode-sized steps (at most
-    KERNEL_ROWS_PER_EXPERT choices per expert) go through `RoutedLocalExperts` where the decode
-    expert kernel takes the weights, the same path a captured step runs; the rest through
-    `ExpertWeights.forward` (one matmul per expert)."""
+    """All experts on this rank: no communication. Decode-sized calls (at most
+    KERNEL_ROWS_PER_EXPERT choices per local expert) go through `RoutedLocalExperts` where the
+    decode expert kernel takes the weights (CUDA, bf16): the path a captured step runs too. The
+    rest, and every call elsewhere, through `ExpertWeights.forward` (one matmul per expert)."""
 
     def __init__(self, experts: ExpertWeights, timer: PhaseTimer = NULL_TIMER) -> None:
         from zerodram.runtime.moe.experts import kernel_applies
@@ -53,10 +53,10 @@ class LocalExperts:
         self.routed = routed if routed is not None and kernel_applies(routed.shard) else None
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        from zerodram.runtime.moe.experts import KERNEL_ROWS_PER_EXPERT
+        from zerodram.runtime.moe.experts import decode_sized
 
         with self.timer.phase("experts"):
-            if self.routed is not None and topk_idx.numel() <= KERNEL_ROWS_PER_EXPERT * len(self.experts.expert_ids):
+            if self.routed is not None and decode_sized(topk_idx.numel(), len(self.experts.expert_ids)):
                 return self.routed(x, topk_idx, topk_weight)
             return self.experts.forward(x, topk_idx, topk_weight)
 
@@ -87,13 +87,15 @@ class DenseLocalExperts:
 
 class RoutedLocalExperts:
     """All experts on this rank, routed on the device: the T * K choices packed expert-major (a
-    stable sort), runtime/moe's SwiGLU over the packed rows (on a GPU the decode expert kernel,
-    which reads only the experts routed to), then each token's weighted sum of its K rows. With
-    the kernel path there are static shapes and no host sync (what a CUDA graph captures for a
-    real MoE); `path` forces another runtime/moe path (e.g. `loop` for CPU tests).
+    stable sort), runtime/moe's SwiGLU over the packed rows, then each token's weighted sum of its K
+    rows. The path is runtime/moe's choice by the step's size (the decode expert kernel, which
+    reads only the experts routed to, for decode-sized steps; `torch._grouped_mm` for bulk ones):
+    static shapes and no host sync on a GPU, what a CUDA graph captures for a real MoE. `path`
+    forces one (e.g. `loop` for CPU tests). Expert id -1 ("no expert") and other ranks' experts
+    contribute nothing.
     """
 
-    def __init__(self, experts: ExpertWeights, path: ExpertsPath = "kernel") -> None:
+    def __init__(self, experts: ExpertWeights, path: ExpertsPath | None = None) -> None:
         from zerodram.runtime.moe.experts import ExpertShard
 
         self.experts, self.path = experts, path
@@ -104,34 +106,37 @@ class RoutedLocalExperts:
         self.local_of[torch.tensor(experts.expert_ids, dtype=torch.int64, device=dev)] = torch.arange(El, device=dev)
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x [T, D], topk_idx [T, K] global expert ids, topk_weight [T, K] -> [T, D]."""
+        """x [T, D], topk_idx [T, K] global expert ids (-1: none), topk_weight [T, K] -> [T, D]."""
         from zerodram.runtime.moe.experts import grouped_swiglu
 
         T, K = topk_idx.shape
         El = len(self.experts.expert_ids)
-        local = self.local_of[topk_idx.clamp(0, self.local_of.shape[0] - 1)].flatten()  # [T * K]
+        ids = topk_idx.flatten()  # [T * K]
+        local = torch.where(ids >= 0, self.local_of[ids.clamp(0, self.local_of.shape[0] - 1)], El)
         order = torch.argsort(local, stable=True)  # packed row -> choice (expert-major)
         counts = torch.zeros(El + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
         ends = counts[:El].cumsum(0).to(torch.int32)  # [El]
-        ys = grouped_swiglu(x[order // K], ends, self.shard, self.path)  # [T * K, D] packed
+        ys = grouped_swiglu(x[order // K], ends, self.shard, self.path, sent_rows=T * K)  # [T * K, D] packed
         y = torch.empty_like(ys).index_copy_(0, order, ys)  # [T * K, D] per choice
-        w = torch.where(local < El, topk_weight.flatten(), 0.0)  # other ranks' experts weigh nothing
-        y = torch.where((local < El)[:, None], y, 0.0)  # their rows are unspecified (maybe NaN)
+        here = local < El
+        w = torch.where(here, topk_weight.flatten(), 0.0)  # no expert / another rank's: weight 0
+        y = torch.where(here[:, None], y, 0.0)  # and their rows are unspecified (maybe NaN)
         return (y.view(T, K, x.shape[1]).float() * w.view(T, K, 1).float()).sum(1).to(x.dtype)
 
 
 def capturable_ep(ep: ExpertParallel) -> ExpertParallel | None:
     """A twin of `ep` that a CUDA graph can capture (static shapes, no host sync, no timers), or
-    None. Only `LocalExperts` (one rank) has one today: `RoutedLocalExperts` where the decode
-    expert kernel takes the weights (CUDA, bf16, dims multiple of 32), else `DenseLocalExperts`.
-    runtime/moe's NVSHMEM layer replays from a graph too, but capturing it needs every rank to
-    capture in step (see docs/engine.md)."""
+    None. Only `LocalExperts` (one rank) has one today: its `RoutedLocalExperts` where it has one
+    and torch has `_grouped_mm` for the bulk buckets (CUDA, bf16 weights the expert kernel takes),
+    else `DenseLocalExperts`. runtime/moe's NVSHMEM layer replays from a graph too, but capturing
+    it needs every rank to capture in step (see docs/engine.md)."""
     if not isinstance(ep, LocalExperts):
         return None
-    from zerodram.runtime.moe.experts import kernel_applies
+    from zerodram.runtime.moe.experts import has_grouped_mm
 
-    routed = RoutedLocalExperts(ep.experts)
-    return routed if ep.experts.expert_ids and kernel_applies(routed.shard) else DenseLocalExperts(ep.experts)
+    if ep.routed is not None and has_grouped_mm("cuda", torch.bfloat16):
+        return ep.routed
+    return DenseLocalExperts(ep.experts)
 
 
 class AllGatherEP:

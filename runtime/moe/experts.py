@@ -114,10 +114,14 @@ def kernel_applies(shard: ExpertShard, x: torch.Tensor | None = None) -> bool:
     )
 
 
+def decode_sized(sent_rows: int | None, num_local_experts: int) -> bool:
+    """Whether a step that sent `sent_rows` rows (tokens * top-k) is decode-sized for this shard."""
+    return sent_rows is not None and sent_rows <= KERNEL_ROWS_PER_EXPERT * num_local_experts
+
+
 def choose_experts_path(x: torch.Tensor, shard: ExpertShard, sent_rows: int | None) -> ExpertsPath:
     """`kernel` for a decode-sized step where it applies, else `grouped` where available, else `loop`."""
-    small = sent_rows is not None and sent_rows <= KERNEL_ROWS_PER_EXPERT * shard.num_local_experts
-    if small and kernel_applies(shard, x):
+    if decode_sized(sent_rows, shard.num_local_experts) and kernel_applies(shard, x):
         return "kernel"
     return "grouped" if has_grouped_mm(x.device.type, x.dtype) else "loop"
 
@@ -153,8 +157,11 @@ def grouped_swiglu(
     if path == "kernel":
         from zerodram.kernels.experts import swiglu_experts_cuda
 
-        offs = recv_expert_offsets.to(torch.int32)
-        return swiglu_experts_cuda(x.contiguous(), offs.contiguous(), shard.w_gate, shard.w_up, shard.w_down)
+        x = x.contiguous()
+        if x.data_ptr() % 16:  # a view into a bigger buffer: the kernel reads rows 16 bytes at a time
+            x = x.clone()
+        offs = recv_expert_offsets.to(torch.int32).contiguous()
+        return swiglu_experts_cuda(x, offs, shard.w_gate, shard.w_up, shard.w_down)
     if path == "grouped":
         offs = recv_expert_offsets.to(torch.int32)
         g = torch._grouped_mm(x, shard.w_gate.transpose(-2, -1), offs=offs)  # [N, F]
