@@ -229,14 +229,18 @@ class Engine:
             logits = self.graphs.run(plan.batch, self.attn)  # [N, V], decode rows only
         else:
             logits = self.model.forward(plan.batch, self.attn)  # [N, V]
+        events, sampled = self._fail_nonfinite(), plan.sampled
+        if events:  # their logits may be NaN: they take no token
+            failed = {ev.request_id for ev in events}
+            keep = [i for i, r in enumerate(sampled) if r.request_id not in failed]
+            sampled, logits = [sampled[i] for i in keep], logits[keep]
         with self.model.timer.phase("sampling"):
             tokens = sample(
                 logits,
-                [r.params for r in plan.sampled],
-                [self._generators[r.request_id] for r in plan.sampled],
+                [r.params for r in sampled],
+                [self._generators[r.request_id] for r in sampled],
             )
-        events = []
-        for req, tok in zip(plan.sampled, tokens, strict=True):
+        for req, tok in zip(sampled, tokens, strict=True):
             req.output_ids.append(tok)
             reason = None
             if (tok in self.eos_ids and not req.params.ignore_eos) or tok in req.params.stop_token_ids:
@@ -263,6 +267,19 @@ class Engine:
                 )
             )
         self.step_idx += 1
+        return events
+
+    def _fail_nonfinite(self) -> list[TokenEvent]:
+        """End the requests whose K/V went NaN/Inf this step (the partition stored zeros instead):
+        an error event each, their pages freed; the rest of the batch goes on."""
+        events = []
+        for rid, message in self.kv.take_nonfinite().items():
+            req = next((r for r in self.scheduler.running if r.request_id == rid), None)
+            if req is None:  # already gone (cannot happen within a step; nothing to end)
+                continue
+            self.scheduler.finish(req, "error")
+            self._generators.pop(rid, None)
+            events.append(TokenEvent(rid, None, "error", error=f"request stopped: {message}", rank=self.rank))
         return events
 
     # --- the Python API ------------------------------------------------------------------------

@@ -55,6 +55,11 @@ class KVPartition(Protocol):
 
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def take_nonfinite(self) -> dict[int, str]:
+        """Sequences whose K/V held NaN/Inf since the last call, with the first message each (their
+        rows were stored as zeros, so every layer's pages moved together); clears the record."""
+        ...
+
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -63,6 +68,29 @@ class KVPartition(Protocol):
 
 
 _TORCH_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+class NonFiniteLedger:
+    """The sequences whose K/V arrived with NaN/Inf during a step, and what was wrong (the first
+    message per sequence). A partition never stores a non-finite value: it records the sequence,
+    stores that row as zeros (so page allocation stays the same in every layer, which the fused
+    decode path's shared block table relies on) and goes on; the engine fails those requests at
+    the end of the step and frees their pages, and no other request is touched."""
+
+    def __init__(self) -> None:
+        self._failed: dict[int, str] = {}
+
+    def record(self, seq_id: int, message: str) -> None:
+        self._failed.setdefault(seq_id, message)
+
+    def take(self) -> dict[int, str]:
+        failed, self._failed = self._failed, {}
+        return failed
+
+
+def zero_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN/Inf replaced by 0 (the stored stand-in for a failed request's rows)."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 class TorchPagedKV:
@@ -99,6 +127,10 @@ class TorchPagedKV:
         self.v_pages = torch.zeros_like(self.k_pages)
         self._free = list(range(num_pages - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
+        self.nonfinite = NonFiniteLedger()
+
+    def take_nonfinite(self) -> dict[int, str]:
+        return self.nonfinite.take()
 
     def num_free_pages(self) -> int:
         return len(self._free)
@@ -137,6 +169,11 @@ class TorchPagedKV:
         return pages.to(self.k_pages.device), (pos % self.page_size).to(self.k_pages.device)
 
     def write(self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
+            self.nonfinite.record(
+                seq_id, f"non-finite K/V at layer {layer_idx}, positions {start_pos}..{start_pos + k.shape[0] - 1}"
+            )
+            k, v = zero_nonfinite(k), zero_nonfinite(v)
         pages, offs = self._slots(seq_id, start_pos, k.shape[0])
         self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)
         self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)

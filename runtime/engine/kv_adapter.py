@@ -19,8 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
+from zerodram.runtime.engine.kv import NonFiniteLedger, zero_nonfinite
 from zerodram.runtime.errors import ConfigError, ZerodramError
-from zerodram.runtime.kv.errors import KVCapacityError
+from zerodram.runtime.kv.errors import KVCapacityError, KVNonFiniteError
+from zerodram.runtime.kv.quantize import check_finite
 
 
 class RuntimeKVPartition:
@@ -72,6 +74,7 @@ class RuntimeKVPartition:
         self._reserved: dict[int, int] = {}  # seq_id -> pages reserved
         self._slots: dict[int, list[int]] = {}  # seq_id -> the cache's sequence id, per layer
         self._param_copies: dict[tuple[int, str], tuple] = {}  # (layer, device) -> FP2 params there
+        self.nonfinite = NonFiniteLedger()
 
     def stored_bytes(self) -> tuple[int, int]:
         """(bytes the live tokens take in this format, bytes they would take in bf16), all layers.
@@ -123,7 +126,14 @@ class RuntimeKVPartition:
                 f"cache holds {have} tokens "
                 "(runtime/kv caches are append-only)"
             )
-        cache.append(slot, k, v)
+        try:
+            cache.append(slot, k, v)
+        except KVNonFiniteError as err:  # nothing written: record, store zeros (see NonFiniteLedger)
+            self.nonfinite.record(seq_id, str(err))
+            cache.append(slot, zero_nonfinite(k), zero_nonfinite(v))
+
+    def take_nonfinite(self) -> dict[int, str]:
+        return self.nonfinite.take()
 
     def write_decode(
         self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
@@ -136,7 +146,16 @@ class RuntimeKVPartition:
                     f"layer {layer_idx} sequence {seq_id}: write at position {pos}, cache holds "
                     f"{cache.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
                 )
-        cache.append_decode(slots, k, v)
+        try:
+            cache.append_decode(slots, k, v)
+        except KVNonFiniteError:  # nothing written: find the rows, record them, store zeros for them
+            for i, seq_id in enumerate(seq_ids):
+                try:
+                    check_finite(k[i : i + 1], what="K", layer_idx=layer_idx, pos0=positions[i])
+                    check_finite(v[i : i + 1], what="V", layer_idx=layer_idx, pos0=positions[i])
+                except KVNonFiniteError as err:
+                    self.nonfinite.record(seq_id, str(err))
+            cache.append_decode(slots, zero_nonfinite(k), zero_nonfinite(v))
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

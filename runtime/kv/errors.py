@@ -23,3 +23,8 @@ class KVInputError(ZerodramError):
     """
 
     exit_code = 2
+
+
+class KVNonFiniteError(KVInputError):
+    """NaN or Inf in K or V handed to the cache; nothing was written. The message names the layer,
+    KV head, token position and channel of the first one."""

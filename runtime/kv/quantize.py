@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.errors import KVInputError, KVNonFiniteError
 from zerodram.runtime.kv.feedback import feedback_codes
 from zerodram.runtime.kv.format import Fp2TensorSpec, ScaleDtype, ScaleRule
 from zerodram.runtime.kv.levels import gaussian_rms_factor, midpoints, nearest_code
@@ -72,11 +72,11 @@ class Fp2Tokens:
 
 
 def check_finite(x: torch.Tensor, *, what: str, layer_idx: int, pos0: int = 0) -> None:
-    """Raise KVInputError naming layer, head and position of the first NaN/Inf in x [T, H, D]."""
+    """Raise KVNonFiniteError naming layer, head and position of the first NaN/Inf in x [T, H, D]."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         t, h, c = (int(i) for i in bad.nonzero()[0])
-        raise KVInputError(
+        raise KVNonFiniteError(
             f"non-finite {what} value {float(x[t, h, c])} at layer {layer_idx}, KV head {h}, "
             f"position {pos0 + t}, channel {c}; nothing was written"
         )

@@ -1,0 +1,58 @@
+"""NaN/Inf in one request's K/V: that request ends with an error, every other request goes on with
+exactly the tokens of a clean run, no page is leaked, and nothing non-finite is stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
+from zerodram.runtime.engine.build import build_engine
+
+PROMPTS = [[3, 17, 99, 5, 42, 7, 11, 64, 2, 90], [1, 2, 3, 4, 5], [9, 9, 9, 9, 120, 33]]
+TARGET, LAYER = 1, 1  # request 1's K turns NaN in layer 1
+
+
+def _engine(kv: str):
+    cfg = EngineConfig(kv_format=kv, num_kv_pages=64, page_size=4 if kv == "fp32" else 32, scheduler=SchedulerConfig(4, 16, 4))
+    return build_engine("random:tiny-moe", None, cfg)
+
+
+def _poison(engine, where: str) -> None:
+    """Make request TARGET's K non-finite once, in layer LAYER, at its first decode step or prefill
+    chunk (the model itself stays intact: only what reaches the KV partition is changed)."""
+    kv, done = engine.kv, []
+
+    def write(layer_idx, seq_id, start_pos, k, v, _orig=kv.write):
+        if where == "prefill" and not done and layer_idx == LAYER and seq_id == TARGET:
+            k = k.clone()
+            k[-1, 0, 1] = float("nan")
+            done.append(1)
+        return _orig(layer_idx, seq_id, start_pos, k, v)
+
+    def write_decode(layer_idx, seq_ids, positions, k, v, _orig=kv.write_decode):
+        if where == "decode" and not done and layer_idx == LAYER and TARGET in seq_ids:
+            k = k.clone()
+            k[list(seq_ids).index(TARGET), 1, 2] = float("inf")
+            done.append(1)
+        return _orig(layer_idx, seq_ids, positions, k, v)
+
+    kv.write, kv.write_decode = write, write_decode
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp2:kblk=c16,vblk=c16,tail=1,window=3"])  # fp2: flushes within the run
+def test_nonfinite_kv_ends_only_its_request(kv: str, where: str) -> None:
+    torch.manual_seed(0)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = _engine(kv).generate(PROMPTS, params)
+    engine = _engine(kv)
+    _poison(engine, where)
+    outs = engine.generate(PROMPTS, params)
+    bad = outs[TARGET]
+    assert bad.finish_reason == "error" and "non-finite" in bad.error and f"layer {LAYER}" in bad.error
+    for i, (got, want) in enumerate(zip(outs, clean, strict=True)):
+        if i != TARGET:
+            assert got.error is None and got.token_ids == want.token_ids, f"request {i} was disturbed"
+    assert engine.kv.num_free_pages() == engine.kv.num_pages  # the failed request's pages came back
+    assert engine.kv.take_nonfinite() == {}
