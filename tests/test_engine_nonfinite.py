@@ -48,6 +48,8 @@ def test_nonfinite_kv_ends_only_its_request(kv: str, where: str) -> None:
     clean = _engine(kv).generate(PROMPTS, params)
     engine = _engine(kv)
     _poison(engine, where)
+    errors: list[str] = []
+    engine.on_error = errors.append  # the metrics hook: the dashboard counts it
     outs = engine.generate(PROMPTS, params)
     bad = outs[TARGET]
     assert bad.finish_reason == "error" and "non-finite" in bad.error and f"layer {LAYER}" in bad.error
@@ -56,3 +58,4 @@ def test_nonfinite_kv_ends_only_its_request(kv: str, where: str) -> None:
             assert got.error is None and got.token_ids == want.token_ids, f"request {i} was disturbed"
     assert engine.kv.num_free_pages() == engine.kv.num_pages  # the failed request's pages came back
     assert engine.kv.take_nonfinite() == {}
+    assert len(errors) == 1 and f"request {TARGET} stopped" in errors[0]

@@ -165,7 +165,8 @@ class Engine:
     ) -> None:
         """Route metrics hooks: phase timing / routing to `timer`, step stats to `on_step`, each
         layer's freshly written K/V (with its queries) to `kv_probe`, refused requests' messages
-        (rank 0) to `on_error`. All are called on the step thread and must be cheap."""
+        (rank 0) and requests stopped for non-finite K/V (any rank) to `on_error`. All are called
+        on the step thread and must be cheap."""
         self.model.timer = timer
         for layer in self.model.layers:
             ep = getattr(layer, "ep", None)
@@ -280,6 +281,8 @@ class Engine:
             self.scheduler.finish(req, "error")
             self._generators.pop(rid, None)
             events.append(TokenEvent(rid, None, "error", error=f"request stopped: {message}", rank=self.rank))
+            if self.on_error is not None:  # the dashboard's error count and last messages
+                self.on_error(f"request {rid} stopped: {message}")
         return events
 
     # --- the Python API ------------------------------------------------------------------------
