@@ -261,3 +261,23 @@ def test_decode_append_refuses_and_writes_nothing() -> None:
         c.append_decode([s0, s1], torch.zeros(3, H, D), torch.zeros(3, H, D))
     assert (c.seq_len(s0), c.seq_len(s1)) == (40, 0)
     assert all(torch.equal(x, y) for x, y in zip(before, _state(c), strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp2"])
+def test_decode_append_zero_mode_flags_rows_without_raising(fmt: str) -> None:
+    """on_nonfinite="zero": no exception and no host sync; the bad row is stored as zeros (what an
+    append of zeros stores) and flagged, the other rows are stored as given."""
+    a, b = _cache(fmt, num_pages=8), _cache(fmt, num_pages=8)
+    s = [a.new_sequence(), a.new_sequence()]
+    assert s == [b.new_sequence(), b.new_sequence()]
+    k, v = _tokens(2, seed=9)
+    bad_k = k.clone()
+    bad_k[1, 0, 3] = float("nan")
+    flags = a.append_decode(s, bad_k, v, on_nonfinite="zero")
+    assert flags.tolist() == [False, True]
+    clean_k = k.clone()
+    clean_k[1, 0, 3] = 0.0
+    b.append_decode(s, clean_k, v)
+    assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b), strict=True))
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        a.append_decode(s, k, v, on_nonfinite="skip")

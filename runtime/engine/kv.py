@@ -16,14 +16,9 @@ from typing import Protocol
 
 import torch
 
-from zerodram.runtime.errors import ConfigError, ZerodramError
-
-try:  # the KV module's error, so callers catch one class whichever cache is in use
-    from zerodram.runtime.kv.errors import KVCapacityError
-except ImportError:  # pragma: no cover - before runtime/kv landed
-
-    class KVCapacityError(ZerodramError):
-        """The KV partition has no free page for a sequence that needs one."""
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.cache import zero_nonfinite
+from zerodram.runtime.kv.errors import KVCapacityError
 
 
 class KVPartition(Protocol):
@@ -73,24 +68,36 @@ _TORCH_FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.f
 class NonFiniteLedger:
     """The sequences whose K/V arrived with NaN/Inf during a step, and what was wrong (the first
     message per sequence). A partition never stores a non-finite value: it records the sequence,
-    stores that row as zeros (so page allocation stays the same in every layer, which the fused
+    stores zeros in its place (so page allocation stays the same in every layer, which the fused
     decode path's shared block table relies on) and goes on; the engine fails those requests at
-    the end of the step and frees their pages, and no other request is touched."""
+    the end of the step and frees their pages, and no other request is touched. Decode writes
+    record device flags (`record_rows`, no host sync); `take` reads them all at once."""
 
     def __init__(self) -> None:
         self._failed: dict[int, str] = {}
+        self._pending: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
 
     def record(self, seq_id: int, message: str) -> None:
         self._failed.setdefault(seq_id, message)
 
+    def record_rows(
+        self, layer_idx: int, seq_ids: Sequence[int], positions: Sequence[int], bad: torch.Tensor
+    ) -> None:
+        """bad: bool [B] on the device, True where row i (sequence seq_ids[i]) had NaN/Inf."""
+        self._pending.append((layer_idx, tuple(seq_ids), tuple(positions), bad))
+
     def take(self) -> dict[int, str]:
+        if self._pending:  # one host read for the whole step, in write order (layer order)
+            flags = torch.cat([bad for *_, bad in self._pending]).tolist()
+            i = 0
+            for layer_idx, seq_ids, positions, _ in self._pending:
+                for sid, pos in zip(seq_ids, positions, strict=True):
+                    if flags[i]:
+                        self.record(sid, f"non-finite K/V at layer {layer_idx}, position {pos} (stored as zeros)")
+                    i += 1
+            self._pending = []
         failed, self._failed = self._failed, {}
         return failed
-
-
-def zero_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """x with every NaN/Inf replaced by 0 (the stored stand-in for a failed request's rows)."""
-    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 class TorchPagedKV:
@@ -174,6 +181,9 @@ class TorchPagedKV:
                 seq_id, f"non-finite K/V at layer {layer_idx}, positions {start_pos}..{start_pos + k.shape[0] - 1}"
             )
             k, v = zero_nonfinite(k), zero_nonfinite(v)
+        self._store(layer_idx, seq_id, start_pos, k, v)
+
+    def _store(self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         pages, offs = self._slots(seq_id, start_pos, k.shape[0])
         self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)
         self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)
@@ -181,8 +191,11 @@ class TorchPagedKV:
     def write_decode(
         self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))  # [B], no sync
+        self.nonfinite.record_rows(layer_idx, seq_ids, positions, bad)
+        k, v = zero_nonfinite(k), zero_nonfinite(v)
         for i, (seq_id, pos) in enumerate(zip(seq_ids, positions, strict=True)):
-            self.write(layer_idx, seq_id, pos, k[i : i + 1], v[i : i + 1])
+            self._store(layer_idx, seq_id, pos, k[i : i + 1], v[i : i + 1])
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
-from zerodram.runtime.engine.kv import NonFiniteLedger, zero_nonfinite
+from zerodram.runtime.engine.kv import NonFiniteLedger
 from zerodram.runtime.errors import ConfigError, ZerodramError
+from zerodram.runtime.kv.cache import zero_nonfinite
 from zerodram.runtime.kv.errors import KVCapacityError, KVNonFiniteError
-from zerodram.runtime.kv.quantize import check_finite
 
 
 class RuntimeKVPartition:
@@ -146,16 +146,9 @@ class RuntimeKVPartition:
                     f"layer {layer_idx} sequence {seq_id}: write at position {pos}, cache holds "
                     f"{cache.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
                 )
-        try:
-            cache.append_decode(slots, k, v)
-        except KVNonFiniteError:  # nothing written: find the rows, record them, store zeros for them
-            for i, seq_id in enumerate(seq_ids):
-                try:
-                    check_finite(k[i : i + 1], what="K", layer_idx=layer_idx, pos0=positions[i])
-                    check_finite(v[i : i + 1], what="V", layer_idx=layer_idx, pos0=positions[i])
-                except KVNonFiniteError as err:
-                    self.nonfinite.record(seq_id, str(err))
-            cache.append_decode(slots, zero_nonfinite(k), zero_nonfinite(v))
+        # no host sync: NaN/Inf rows are stored as zeros and flagged on the device (NonFiniteLedger)
+        bad = cache.append_decode(slots, k, v, on_nonfinite="zero")
+        self.nonfinite.record_rows(layer_idx, seq_ids, positions, bad)
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

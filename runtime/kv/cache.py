@@ -111,17 +111,25 @@ class KVCache(ABC):
         self._write(seq_id, pos0, k, v)
         self.tables.lens[seq_id] = pos0 + k.shape[0]
 
-    def append_decode(self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def append_decode(
+        self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, on_nonfinite: str = "raise"
+    ) -> torch.Tensor | None:
         """Append one token to each of B distinct sequences (a decode step). k, v: [B, H, D].
 
         The same cache contents as B calls of `append(seq_ids[i], k[i:i+1], v[i:i+1])`, in a
-        number of tensor operations that does not grow with B (the formats batch the writes), one
-        finite check for the whole batch, and no change at all when any check fails.
+        number of tensor operations that does not grow with B (the formats batch the writes).
+        NaN/Inf: `on_nonfinite="raise"` checks the batch once (one host sync) and raises before
+        writing anything; `"zero"` does not sync: it stores zeros for every non-finite element and
+        returns bool [B] on the device, True for the rows that had one (the caller must treat
+        those sequences as failed). Any other error leaves the cache unchanged.
 
         Raises:
-            KVInputError: unknown or repeated sequence, wrong shape / dtype / device, NaN or Inf.
+            KVInputError: unknown or repeated sequence, wrong shape / dtype / device, NaN or Inf
+                (raise mode).
             KVCapacityError: the page pool or a block table cannot hold the new tokens.
         """
+        if on_nonfinite not in ("raise", "zero"):
+            raise ConfigError(f"on_nonfinite must be 'raise' or 'zero', got {on_nonfinite!r}")
         seq_ids = list(seq_ids)
         for sid in seq_ids:
             self.tables.check(sid)
@@ -131,7 +139,11 @@ class KVCache(ABC):
         if k.shape[0] != len(seq_ids):
             raise KVInputError(f"K and V are {tuple(k.shape)}, need [{len(seq_ids)}, H, D]: one row per sequence")
         pos0 = [self.tables.lens[sid] for sid in seq_ids]
-        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
+        bad = None
+        if on_nonfinite == "zero":
+            bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))  # [B]
+            k, v = zero_nonfinite(k), zero_nonfinite(v)
+        elif not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
             for i, p in enumerate(pos0):  # the error path: name the first offender
                 check_finite(k[i : i + 1], what="K", layer_idx=self.layer_idx, pos0=p)
                 check_finite(v[i : i + 1], what="V", layer_idx=self.layer_idx, pos0=p)
@@ -139,6 +151,7 @@ class KVCache(ABC):
         self._write_decode(seq_ids, pos0, k, v)
         for sid, p in zip(seq_ids, pos0, strict=True):
             self.tables.lens[sid] = p + 1
+        return bad
 
     def _check_pair(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_input(k, "K")
@@ -213,6 +226,11 @@ class KVCache(ABC):
     def _copy_slot(self, src: int, dst: int) -> None:
         """Copy per-slot storage on fork; none by default."""
         return
+
+
+def zero_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """x with every NaN/Inf replaced by 0 (on the device, no sync)."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def make_kv_cache(format: str = "fp2", **kwargs) -> KVCache:
