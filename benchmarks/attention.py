@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
@@ -40,47 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
 
 
-def _time(fn, reps: int, flush) -> float:
-    """Median ms of `fn` replayed from a CUDA graph (device time: a decode step runs as a graph;
-    timing eager launches from Python would measure the host), L2 flushed before each rep."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 2):
-        flush.sum()  # read-only: a write (zero_) leaves dirty L2 lines the timed kernel writes back
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[2:])
-
-
-def _copy_bw() -> float:
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    # Eager, not a graph: the same copy replayed from a graph measured 2.8 TB/s on the H200 against
-    # 4.2 TB/s eager (presumably a copy-engine memcpy node instead of an SM copy kernel).
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return 2 * src.numel() / (statistics.median(times[2:]) * 1e-3)
-
-
 def _case(
     B: int, L: int, configs: list[tuple[int, int, int]], args: argparse.Namespace, flush, copy_bw: float
 ) -> dict:
@@ -94,6 +52,7 @@ def _case(
         random_decode_batch,
         random_fp2_layer,
     )
+    from zerodram.runtime.metrics.devtime import median_ms
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
@@ -110,14 +69,14 @@ def _case(
             device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks,
         )  # fmt: skip
         name = f"{warps}x{stages}x{min_blocks}"
-        ms = _time(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
+        ms = median_ms(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
         row[f"fp2_ms_{name}"] = ms
         if "fp2_ms" not in row or ms < row["fp2_ms"]:
             row["fp2_ms"], row["fp2_config"], row["splits"] = ms, name, att.plan(B, L)[0]
             best = att
     # The merge pass alone (bf16 sinks/tail + split partials), on the best variant's last output.
     num_splits, split_tokens = best.plan(B, L)
-    row["merge_ms"] = _time(
+    row["merge_ms"] = median_ms(
         lambda: best.kernels.merge(
             best.o_part[:B], best.ml_part[:B], best.zeros[:B], batch.fp2_len, split_tokens, num_splits,
             best.q16[:B], batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, best.out[:B],
@@ -132,13 +91,13 @@ def _case(
         y = torch.randn(B * n_tok, HKV, 2, D, device=dev, generator=gen)
         s = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(n_tok)
         f = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
-        row[f"{tag}_ms"] = _time(
+        row[f"{tag}_ms"] = median_ms(
             lambda y=y, s=s, f=f: writer.write(y, s, f, layer, batch.block_table), 10, flush
         )
         if n_tok == 1:
             # What the append adds to a decode step: one graph with both, minus attention alone (a
             # lone small kernel's time here is mostly the replay's own floor, ~12 us on the H200).
-            both = _time(
+            both = median_ms(
                 lambda y=y, s=s, f=f: (
                     writer.write(y, s, f, layer, batch.block_table), best(q, layer, batch, max_len=L)
                 ),
@@ -150,7 +109,7 @@ def _case(
         k = torch.randn(B, HKV, L + HP, D, device=dev, dtype=torch.float16, generator=gen)
         v = torch.randn_like(k)
         q16 = q.to(torch.float16)[:, :, None]  # [B, Hq, 1, D]
-        row["fp16_ms"] = _time(lambda: sdpa(q16, k, v, enable_gqa=True), args.reps, flush)
+        row["fp16_ms"] = median_ms(lambda: sdpa(q16, k, v, enable_gqa=True), args.reps, flush)
         row["fp16_gbps"] = fp16_bytes / (row["fp16_ms"] * 1e-3) / 1e9
         row["speedup"] = row["fp16_ms"] / row["fp2_ms"]
         del k, v
@@ -161,11 +120,13 @@ def _case(
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from zerodram.runtime.metrics.devtime import copy_bandwidth
+
     if not torch.cuda.is_available():
         print("attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, read before each rep
-    copy_bw = _copy_bw()
+    copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     configs = [(*(int(x) for x in c.split("x")), 1)[:3] for c in args.configs.split(",")]

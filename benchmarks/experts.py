@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 PATHS = ("kernel", "grouped", "loop")
@@ -39,50 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per case")
 
 
-def _median_ms(fn, reps: int, flush, graph: bool) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    times = []
-    for _ in range(reps + 2):
-        flush.sum()  # read-only: evicts the weights from L2 without dirty lines
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[2:])
-
-
-def _copy_bw() -> float:
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return 2 * src.numel() / (statistics.median(times[2:]) * 1e-3)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from zerodram.kernels.experts import DEFAULT_CONFIG, ExpertsConfig, swiglu_experts_cuda
+    from zerodram.runtime.metrics.devtime import copy_bandwidth, median_ms
     from zerodram.runtime.model.named import named_config
     from zerodram.runtime.moe.experts import ExpertShard, grouped_swiglu, has_grouped_mm
 
@@ -103,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         tuple(range(E)), rnd(E, F_, D, fan_in=D), rnd(E, F_, D, fan_in=D), rnd(E, D, F_, fan_in=F_)
     )
     flush = torch.zeros(64 << 20, dtype=torch.float32, device=dev)
-    copy_bw = _copy_bw()
+    copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     expert_bytes = 3 * F_ * D * 2
     print(
@@ -129,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         for path in paths:
             out = grouped_swiglu(x, ends, shard, path)
             err = float((out[:N].float() - ref[:N].float()).abs().max())
-            ms = _median_ms(
+            ms = median_ms(
                 lambda p=path, x=x, ends=ends: grouped_swiglu(x, ends, shard, p),
                 args.reps,
                 flush,
@@ -144,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             def fn(c=c, x=x, ends=ends):
                 return swiglu_experts_cuda(x, ends, shard.w_gate, shard.w_up, shard.w_down, c)
 
-            sweep[str(c)] = round(_median_ms(fn, args.reps, flush, graph=True), 4)
+            sweep[str(c)] = round(median_ms(fn, args.reps, flush, graph=True), 4)
         if sweep:
             row["kernel_default_config"] = str(DEFAULT_CONFIG)
             row["kernel_sweep_ms"] = sweep
