@@ -281,3 +281,25 @@ def test_decode_append_zero_mode_flags_rows_without_raising(fmt: str) -> None:
     assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b), strict=True))
     with pytest.raises(ConfigError, match="on_nonfinite"):
         a.append_decode(s, k, v, on_nonfinite="skip")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp2"])
+def test_gather_batch_equals_per_sequence_gathers(fmt: str) -> None:
+    """One batched read (dense pages: one page gather) = each sequence's gather, zero-padded."""
+    c = _cache(fmt, num_pages=16, max_seqs=4)
+    lens = [70, 1, 0, 129]
+    seqs = []
+    for i, n in enumerate(lens):
+        s = c.new_sequence()
+        if n:
+            k, v = _tokens(n, seed=i)
+            c.append(s, k, v)
+        seqs.append(s)
+    want = [c.gather(s) for s in seqs]
+    use = [60, 1, 0, 129]  # a prefix of the first sequence, all of the others
+    k, v = c.gather_batch(seqs, use)
+    assert k.shape == v.shape == (4, 129, H, D)
+    for i, n in enumerate(use):
+        for got, ref in ((k, want[i][0]), (v, want[i][1])):
+            assert torch.equal(got[i, :n].float(), ref[:n].float())
+            assert not got[i, n:].float().any()  # padding is zero

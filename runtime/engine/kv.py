@@ -50,6 +50,13 @@ class KVPartition(Protocol):
 
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def read_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decode sequence's keys and values at once, [B, L, Hkv, Dh] in the compute dtype,
+        L = max(lengths), rows past a sequence's length zero."""
+        ...
+
     def take_nonfinite(self) -> dict[int, str]:
         """Sequences whose K/V held NaN/Inf since the last call, with the first message each (their
         rows were stored as zeros, so every layer's pages moved together); clears the record."""
@@ -208,6 +215,21 @@ class TorchPagedKV:
         k = self.k_pages[layer_idx, pages, offs]  # [L, Hkv, Dh]
         v = self.v_pages[layer_idx, pages, offs]
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def read_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        S, B, L = self.page_size, len(seq_ids), max(lengths, default=0)
+        W = max(1, math.ceil(L / S))
+        rows = [self._tables[sid][: math.ceil(n / S)] for sid, n in zip(seq_ids, lengths, strict=True)]
+        dev = self.k_pages.device
+        idx = torch.tensor([r + [0] * (W - len(r)) for r in rows], dtype=torch.int64).to(dev)  # [B, W] pages
+        valid = (torch.arange(W * S)[None, :] < torch.tensor(lengths)[:, None]).to(dev)[:, :L, None, None]
+        out = []
+        for pages in (self.k_pages, self.v_pages):
+            x = pages[layer_idx][idx].reshape(B, W * S, *pages.shape[3:])[:, :L]  # [B, L, Hkv, Dh]
+            out.append(torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=dev)).to(self.compute_dtype))
+        return out[0], out[1]
 
 
 def make_kv_partition(

@@ -199,3 +199,10 @@ class RuntimeKVPartition:
     def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.caches[layer_idx].gather(self._slots[seq_id][layer_idx])  # [n, Hkv, Dh] fp32
         return k[:length].to(self.compute_dtype), v[:length].to(self.compute_dtype)
+
+    def read_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.caches[layer_idx]
+        k, v = cache.gather_batch([self._slots[s][layer_idx] for s in seq_ids], lengths)  # [B, L, Hkv, Dh]
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)

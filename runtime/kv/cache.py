@@ -205,6 +205,21 @@ class KVCache(ABC):
     def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of a sequence read back, dequantized: (K, V), each fp32 [n, H, D]."""
 
+    def gather_batch(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first lengths[i] tokens of each sequence, padded with zeros to L = max(lengths):
+        (K, V), each [B, L, H, D], in the pages' dtype (dense formats) or fp32 (dequantized)."""
+        L = max(lengths, default=0)
+        ks, vs = [], []
+        for sid, n in zip(seq_ids, lengths, strict=True):
+            k, v = self.gather(sid)  # [n', H, D]
+            pad = (0, 0, 0, 0, 0, L - n)
+            ks.append(torch.nn.functional.pad(k[:n], pad))
+            vs.append(torch.nn.functional.pad(v[:n], pad))
+        if not ks:
+            empty = torch.zeros(0, 0, self.num_kv_heads, self.head_dim, device=self.device)
+            return empty, empty
+        return torch.stack(ks), torch.stack(vs)
+
     @abstractmethod
     def bits_per_elem(self, ctx: int) -> float:
         """All-inclusive storage bits per element at context `ctx` (see format.bits_per_elem)."""

@@ -36,6 +36,13 @@ class KVStore(Protocol):
         """The first `length` keys and values of `seq_id`, [L, Hkv, Dh] in the compute dtype."""
         ...
 
+    def read_decode(
+        self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decode sequence's keys and values at once, [B, L, Hkv, Dh] (L = max(lengths), rows
+        past a sequence's length zero), in the compute dtype."""
+        ...
+
 
 class DecodeAttention(Protocol):
     """A decode-attention path: q [B, Hq, Dh] of sequences whose keys are all in the cache."""
@@ -109,21 +116,16 @@ class PagedAttention:
     def _decode_sdpa(
         self, layer_idx: int, q: torch.Tensor, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
     ) -> torch.Tensor:
-        _B, L = q.shape[0], max(lengths)
-        Hkv, Dh = None, q.shape[-1]
-        ks, vs = [], []
-        for seq_id, n in zip(seq_ids, lengths, strict=True):
-            k_i, v_i = self.kv.read(layer_idx, seq_id, n)  # [n, Hkv, Dh]
-            Hkv = k_i.shape[1]
-            ks.append(F.pad(k_i, (0, 0, 0, 0, 0, L - n)))
-            vs.append(F.pad(v_i, (0, 0, 0, 0, 0, L - n)))
-        k = torch.stack(ks).transpose(1, 2)  # [B, Hkv, L, Dh]
-        v = torch.stack(vs).transpose(1, 2)
+        L = max(lengths)
+        k, v = self.kv.read_decode(layer_idx, seq_ids, lengths)  # [B, L, Hkv, Dh], one read per layer
         lens = torch.tensor(lengths, device=q.device)
         mask = (torch.arange(L, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [B,1,1,L]
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=True
+            q[:, :, None, :],
+            k.transpose(1, 2).to(q.dtype),  # [B, Hkv, L, Dh]
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
         )  # [B, Hq, 1, Dh]
-        assert Hkv is not None
-        assert o.shape[-1] == Dh
         return o[:, :, 0, :]
