@@ -59,3 +59,41 @@ def test_nonfinite_kv_ends_only_its_request(kv: str, where: str) -> None:
     assert engine.kv.num_free_pages() == engine.kv.num_pages  # the failed request's pages came back
     assert engine.kv.take_nonfinite() == {}
     assert len(errors) == 1 and f"request {TARGET} stopped" in errors[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_nonfinite_kv_on_the_fused_fp2_path(where: str, graphs: bool) -> None:
+    """The same on a GPU through the fused FP2 decode kernels (head dim 64), bf16 weights (the
+    routed expert kernel), eager and with CUDA graphs: only the poisoned request ends."""
+    import dataclasses
+
+    from zerodram.runtime.engine.engine import Engine
+    from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
+    from zerodram.runtime.loading.random_init import random_weights
+    from zerodram.runtime.model.named import named_config
+    from zerodram.runtime.model.transformer import Transformer
+
+    cfg = dataclasses.replace(named_config("tiny-moe"), hidden_size=256, head_dim=64, num_heads=4, num_kv_heads=2)
+
+    def engine() -> Engine:
+        weights = random_weights(cfg, None, 0, seed=3, dtype=torch.bfloat16)
+        model = Transformer(cfg, {k: w.cuda() for k, w in weights.items()})
+        config = EngineConfig(
+            kv_format="fp2:tail=1,window=3", num_kv_pages=64, page_size=64,
+            scheduler=SchedulerConfig(4, 16, 4), cuda_graphs=graphs,
+        )  # fmt: skip
+        e = Engine(model, config)
+        assert isinstance(e.attn.decode, Fp2FusedDecode)
+        return e
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = engine().generate(PROMPTS, params)
+    e = engine()
+    _poison(e, where)
+    outs = e.generate(PROMPTS, params)
+    assert outs[TARGET].finish_reason == "error" and "non-finite" in outs[TARGET].error
+    for i in (0, 2):
+        assert outs[i].token_ids == clean[i].token_ids
+    assert e.kv.num_free_pages() == e.kv.num_pages

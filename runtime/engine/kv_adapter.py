@@ -129,7 +129,7 @@ class RuntimeKVPartition:
         try:
             cache.append(slot, k, v)
         except KVNonFiniteError as err:  # nothing written: record, store zeros (see NonFiniteLedger)
-            self.nonfinite.record(seq_id, str(err))
+            self.nonfinite.record(seq_id, f"non-finite {err.where} (stored as zeros)")
             cache.append(slot, zero_nonfinite(k), zero_nonfinite(v))
 
     def take_nonfinite(self) -> dict[int, str]:

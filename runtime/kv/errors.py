@@ -26,5 +26,9 @@ class KVInputError(ZerodramError):
 
 
 class KVNonFiniteError(KVInputError):
-    """NaN or Inf in K or V handed to the cache; nothing was written. The message names the layer,
-    KV head, token position and channel of the first one."""
+    """NaN or Inf in K or V handed to the cache; nothing was written. `where` names the value,
+    layer, KV head, token position and channel of the first one."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"non-finite {where}; nothing was written")
+        self.where = where

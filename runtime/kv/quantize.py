@@ -77,8 +77,7 @@ def check_finite(x: torch.Tensor, *, what: str, layer_idx: int, pos0: int = 0) -
     if bool(bad.any()):
         t, h, c = (int(i) for i in bad.nonzero()[0])
         raise KVNonFiniteError(
-            f"non-finite {what} value {float(x[t, h, c])} at layer {layer_idx}, KV head {h}, "
-            f"position {pos0 + t}, channel {c}; nothing was written"
+            f"{what} value {float(x[t, h, c])} at layer {layer_idx}, KV head {h}, position {pos0 + t}, channel {c}"
         )
 
 
