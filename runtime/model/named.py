@@ -9,6 +9,7 @@
                        its sigmoid/grouped router is approximated by softmax top-8, renormalised
     tiny-moe, tiny-qwen-moe, tiny-dense
                        small shapes for tests and CPU smoke runs
+    smollm2-135m       SmolLM2-135M's shapes, its FFN as one expert (the packaged model's form)
 
 Weights are created by `zerodram.runtime.loading.random_init` (each rank allocates only its own
 experts), so a 700B config can be built on one GPU when the expert shard fits.
@@ -136,6 +137,22 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         intermediate_size=128,
         max_position_embeddings=512,
     ),
+    # SmolLM2-135M's shapes served as MoE the way the packaged model is (its dense FFN as 1 expert):
+    # the engine benchmarks' model where the packaged weights are not installed (same work per step)
+    "smollm2-135m": ModelConfig(
+        arch="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ).as_dense_moe(1),
 }
 
 
