@@ -4,8 +4,8 @@ Shape legend: Ly layers, P pages, S page size (tokens), Hkv KV heads, Dh head di
 
 `KVPartition` is what the scheduler (capacity, admission) and attention (`KVStore`: write / read)
 need. `TorchPagedKV` stores K/V pages in bf16 or fp32 with a free-page list and per-sequence block
-tables; `make_kv_partition` prefers runtime/kv's paged cache (FP2 / bf16 / fp8 pages) when it is
-importable and adapts it, and falls back to `TorchPagedKV` for the full-precision formats.
+tables; `make_kv_partition` adapts runtime/kv's paged caches for FP2 / bf16 / fp8 pages and uses
+`TorchPagedKV` for fp32 / fp16.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from typing import Protocol
 import torch
 
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.cache import zero_nonfinite
+from zerodram.runtime.kv.cache import batch_page_index, zero_nonfinite, zero_nonfinite_rows
 from zerodram.runtime.kv.errors import KVCapacityError
+from zerodram.runtime.model.attention import KVStore
 
 
-class KVPartition(Protocol):
+class KVPartition(KVStore, Protocol):
+    """A rank's KV partition: attention's `KVStore` (write / read, per sequence and per decode
+    batch) plus what the scheduler and the engine need."""
+
     page_size: int
     num_pages: int
     kv_format: str
@@ -37,25 +41,6 @@ class KVPartition(Protocol):
         ...
 
     def free(self, seq_id: int) -> None: ...
-
-    def write(
-        self, layer_idx: int, seq_id: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None: ...
-
-    def write_decode(
-        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """One token per decode sequence, k, v [B, Hkv, Dh]: `write` of each row, batched."""
-        ...
-
-    def read(self, layer_idx: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def read_decode(
-        self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decode sequence's keys and values at once, [B, L, Hkv, Dh] in the compute dtype,
-        L = max(lengths), rows past a sequence's length zero."""
-        ...
 
     def take_nonfinite(self) -> dict[int, str]:
         """Sequences whose K/V held NaN/Inf since the last call, with the first message each (their
@@ -198,11 +183,17 @@ class TorchPagedKV:
     def write_decode(
         self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))  # [B], no sync
+        k, v, bad = zero_nonfinite_rows(k, v)  # no host sync: the flags are read once per step
         self.nonfinite.record_rows(layer_idx, seq_ids, positions, bad)
-        k, v = zero_nonfinite(k), zero_nonfinite(v)
-        for i, (seq_id, pos) in enumerate(zip(seq_ids, positions, strict=True)):
-            self._store(layer_idx, seq_id, pos, k[i : i + 1], v[i : i + 1])
+        S = self.page_size
+        for seq_id, pos in zip(seq_ids, positions, strict=True):
+            if pos >= len(self._tables[seq_id]) * S:
+                raise KVCapacityError(f"sequence {seq_id}: position {pos} beyond its reserved pages")
+        dev = self.k_pages.device
+        pages = torch.tensor([self._tables[s][p // S] for s, p in zip(seq_ids, positions, strict=True)]).to(dev)
+        offs = torch.tensor([p % S for p in positions]).to(dev)
+        self.k_pages[layer_idx, pages, offs] = k.to(self.k_pages.dtype)  # one row per sequence
+        self.v_pages[layer_idx, pages, offs] = v.to(self.v_pages.dtype)
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
@@ -219,16 +210,13 @@ class TorchPagedKV:
     def read_decode(
         self, layer_idx: int, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        S, B, L = self.page_size, len(seq_ids), max(lengths, default=0)
-        W = max(1, math.ceil(L / S))
-        rows = [self._tables[sid][: math.ceil(n / S)] for sid, n in zip(seq_ids, lengths, strict=True)]
-        dev = self.k_pages.device
-        idx = torch.tensor([r + [0] * (W - len(r)) for r in rows], dtype=torch.int64).to(dev)  # [B, W] pages
-        valid = (torch.arange(W * S)[None, :] < torch.tensor(lengths)[:, None]).to(dev)[:, :L, None, None]
+        B, L, dev = len(seq_ids), max(lengths, default=0), self.k_pages.device
+        idx, valid = batch_page_index([self._tables[s] for s in seq_ids], lengths, self.page_size, dev)
         out = []
         for pages in (self.k_pages, self.v_pages):
-            x = pages[layer_idx][idx].reshape(B, W * S, *pages.shape[3:])[:, :L]  # [B, L, Hkv, Dh]
-            out.append(torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=dev)).to(self.compute_dtype))
+            x = pages[layer_idx][idx].reshape(B, -1, *pages.shape[3:])[:, :L]  # [B, L, Hkv, Dh]
+            x = torch.where(valid[:, :, None, None], x, torch.zeros((), dtype=x.dtype, device=dev))
+            out.append(x.to(self.compute_dtype))
         return out[0], out[1]
 
 
@@ -245,12 +233,12 @@ def make_kv_partition(
 ) -> KVPartition:
     """The rank's KV partition in `kv_format` ("fp2[:options]", "fp8", "bf16", "fp16", "fp32").
 
-    fp2 / fp8 / bf16 use runtime/kv's paged caches (page size a multiple of 32); fp32 / fp16 (and
-    bf16 when runtime/kv is unavailable) use `TorchPagedKV`. kv_params: FP2 only, (k, v)
+    fp2 / fp8 / bf16 use runtime/kv's paged caches (page size a multiple of 32); fp32 / fp16 use
+    `TorchPagedKV`. kv_params: FP2 only, (k, v)
     `SideParams` per layer (the engine's calibration); None: the format's uncalibrated constants.
 
     Raises:
-        ConfigError: the format needs runtime/kv and it is not available, a bad page size, or
+        ConfigError: an unknown format, a bad page size, or
             params for a format without any.
     """
     if kv_params is not None and not kv_format.startswith("fp2"):
@@ -259,17 +247,8 @@ def make_kv_partition(
         return TorchPagedKV(
             num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
         )
-    try:
-        from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
+    from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
 
-        return RuntimeKVPartition(
-            kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
-        )
-    except ImportError as err:
-        if kv_format == "bf16":
-            return TorchPagedKV(
-                num_layers, num_kv_heads, head_dim, num_pages, page_size, "bf16", compute_dtype, device
-            )
-        raise ConfigError(
-            f"kv format {kv_format!r} needs runtime/kv, which is not importable: {err}"
-        ) from None
+    return RuntimeKVPartition(
+        kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
+    )

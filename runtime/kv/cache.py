@@ -141,8 +141,7 @@ class KVCache(ABC):
         pos0 = [self.tables.lens[sid] for sid in seq_ids]
         bad = None
         if on_nonfinite == "zero":
-            bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))  # [B]
-            k, v = zero_nonfinite(k), zero_nonfinite(v)
+            k, v, bad = zero_nonfinite_rows(k, v)
         elif not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # one host sync for the batch
             for i, p in enumerate(pos0):  # the error path: name the first offender
                 check_finite(k[i : i + 1], what="K", layer_idx=self.layer_idx, pos0=p)
@@ -246,6 +245,28 @@ class KVCache(ABC):
 def zero_nonfinite(x: torch.Tensor) -> torch.Tensor:
     """x with every NaN/Inf replaced by 0 (on the device, no sync)."""
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def zero_nonfinite_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [B, ...] with NaN/Inf replaced by 0, and bool [B]: the rows that had one (device, no sync)."""
+    fk, fv = torch.isfinite(k), torch.isfinite(v)
+    bad = ~(fk.flatten(1).all(1) & fv.flatten(1).all(1))
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    return torch.where(fk, k, zero), torch.where(fv, v, zero), bad
+
+
+def batch_page_index(
+    tables: Sequence[Sequence[int]], lengths: Sequence[int], page_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages holding the first lengths[i] tokens of each block table, for one batched gather:
+    int64 [B, W] page ids (W pages of the longest; 0 pads) and bool [B, L] (L = max(lengths)),
+    True where a row of the gathered [B, W * page_size] tokens is one of the sequence's."""
+    L = max(lengths, default=0)
+    W = max(1, -(-L // page_size))
+    rows = [list(t[: -(-n // page_size)]) for t, n in zip(tables, lengths, strict=True)]
+    idx = torch.tensor([r + [0] * (W - len(r)) for r in rows], dtype=torch.long).to(device)
+    valid = (torch.arange(L)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]).to(device)
+    return idx, valid
 
 
 def make_kv_cache(format: str = "fp2", **kwargs) -> KVCache:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from zerodram.runtime.kv.cache import KVCache
+from zerodram.runtime.kv.cache import KVCache, batch_page_index
 from zerodram.runtime.kv.format import DenseSpec, bits_per_elem
 
 
@@ -58,17 +58,12 @@ class DenseKVCache(KVCache):
         return k[:n], v[:n]
 
     def gather_batch(self, seq_ids, lengths):
-        # one page gather for the whole batch: [B, W] page ids (W pages of the longest), rows past
-        # each length zeroed (they hold other tokens or stale data)
-        P, B = self.page_size, len(seq_ids)
-        L = max(lengths, default=0)
-        W = max(1, -(-L // P))
-        table = [self.tables.pages[sid][: -(-n // P)] for sid, n in zip(seq_ids, lengths, strict=True)]
-        idx = torch.tensor([t + [0] * (W - len(t)) for t in table], dtype=torch.long).to(self.device)  # [B, W]
-        valid = (torch.arange(W * P)[None, :] < torch.tensor(lengths)[:, None]).to(self.device)[:, :L]  # [B, L]
+        # one page gather for the whole batch; rows past each length zeroed (other tokens, stale data)
+        P, B, L = self.page_size, len(seq_ids), max(lengths, default=0)
+        idx, valid = batch_page_index([self.tables.pages[s] for s in seq_ids], lengths, P, self.device)  # [B, W], [B, L]
         out = []
         for pages in (self.k_pages, self.v_pages):
-            x = pages[idx].transpose(2, 3).reshape(B, W * P, self.num_kv_heads, self.head_dim)[:, :L]
+            x = pages[idx].transpose(2, 3).reshape(B, -1, self.num_kv_heads, self.head_dim)[:, :L]  # [B, L, H, D]
             out.append(torch.where(valid[:, :, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device)))
         return out[0], out[1]
 
