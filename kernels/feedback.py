@@ -19,7 +19,7 @@ import torch
 from zerodram.kernels.jit import BuildOptions
 from zerodram.kernels.module import launch, load_module, ptr
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.errors import KVInputError, expect_tensor
 
 MAX_HEAD_DIM = 256  # PER = D / 32 values per lane and array stay in registers up to 8
 NUM_WARPS = 4  # (token, head) pairs per CTA
@@ -51,12 +51,8 @@ def load_feedback_kernel(head_dim: int, device: torch.device | str | None = None
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
-    if t.dtype != dtype:
-        raise KVInputError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise KVInputError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if t.device != device:
-        raise KVInputError(f"{name} is on {t.device}, y on {device}")
+    # strided inputs are read in place: only levels and factor must be contiguous
+    expect_tensor(t, name, dtype, shape, device, owner="y", contiguous=name in ("levels", "factor"))
 
 
 def feedback_codes_cuda(
@@ -95,9 +91,6 @@ def feedback_codes_cuda(
         _check(exact, "exact", torch.bool, (T, H, D), dev)
     _check(levels, "levels", torch.float32, (4,), dev)
     _check(factor, "factor", torch.float32, (H, D, D), dev)
-    for t, name in ((levels, "levels"), (factor, "factor")):
-        if not t.is_contiguous():
-            raise KVInputError(f"{name} must be contiguous")
     codes = torch.empty(T, H, D, dtype=torch.uint8, device=dev)  # [T, H, D]
     if T * H == 0:
         return codes

@@ -26,7 +26,7 @@ import torch
 
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.errors import KVInputError, expect_tensor
 
 LOG2E = 1.4426950408889634
 
@@ -134,14 +134,7 @@ def reference_decode(
 
 
 def _expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
-    if t.dtype != dtype:
-        raise KVInputError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise KVInputError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if t.device != device:
-        raise KVInputError(f"{name} is on {t.device}, the attention module on {device}")
-    if not t.is_contiguous():
-        raise KVInputError(f"{name} must be contiguous")
+    expect_tensor(t, name, dtype, shape, device, owner="the attention module")
 
 
 class Fp2DecodeAttention:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zerodram.runtime.errors import ZerodramError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVCapacityError(ZerodramError):
@@ -32,3 +37,26 @@ class KVNonFiniteError(KVInputError):
     def __init__(self, where: str) -> None:
         super().__init__(f"non-finite {where}; nothing was written")
         self.where = where
+
+
+def expect_tensor(
+    t: torch.Tensor,
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple,
+    device: torch.device,
+    *,
+    owner: str,
+    contiguous: bool = True,
+) -> None:
+    """Raise KVInputError unless t has this dtype, shape and device (and is contiguous): the one
+    check the kernels' wrappers run on each input; `owner` names what sets the device ("y", "the
+    attention module")."""
+    if t.dtype != dtype:
+        raise KVInputError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise KVInputError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.device != device:
+        raise KVInputError(f"{name} is on {t.device}, {owner} on {device}")
+    if contiguous and not t.is_contiguous():
+        raise KVInputError(f"{name} must be contiguous")
