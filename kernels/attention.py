@@ -35,7 +35,6 @@ class Fp2KernelConfig:
     num_warps: int = 4
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
-    v_fold: bool = False  # value scales folded into P (D 128, 64-channel value blocks, e4m3 only)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -47,7 +46,6 @@ class Fp2KernelConfig:
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
-            "V_FOLD": int(self.v_fold),
         }
 
     def build_options(self, kernel: str) -> BuildOptions:

@@ -147,8 +147,6 @@ class Fp2DecodeAttention:
         max_batch, max_fp2_tokens: bounds that size the preallocated split workspace.
         device: a CUDA device runs the kernels, anything else the torch reference.
         softmax_scale: default head_dim ** -0.5.
-        num_warps, stages, min_blocks, v_fold: the decode kernel's compile-time variant
-            (`kernels/attention.py`, `Fp2KernelConfig`); v_fold needs D 128, v_block 64, e4m3.
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -171,7 +169,6 @@ class Fp2DecodeAttention:
         num_warps: int = 4,
         stages: int = 4,
         min_blocks: int = 1,
-        v_fold: bool = False,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -185,11 +182,6 @@ class Fp2DecodeAttention:
             raise ConfigError(
                 f"blocks ({k_block}, {v_block}) must divide D={head_dim} and hold a lane's channels "
                 f"(k_block >= {head_dim // 4}, v_block >= {head_dim // 8})"
-            )
-        if v_fold and (head_dim, v_block, scale_dtype) != (128, 64, "e4m3"):
-            raise ConfigError(
-                f"v_fold needs head dim 128, 64-channel value blocks and e4m3 scales, got "
-                f"{head_dim}, {v_block}, {scale_dtype}"
             )
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
@@ -208,7 +200,7 @@ class Fp2DecodeAttention:
 
             self.kernels = Fp2Kernels(
                 Fp2KernelConfig(
-                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, v_fold
+                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks
                 )
             )
             self.kernels.load()

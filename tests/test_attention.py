@@ -38,18 +38,6 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
     assert compile_cubin(kernel, cfg.build_options(kernel))[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_value_fold_variant_compiles_for_sm90(group: int) -> None:
-    cfg = Fp2KernelConfig(head_dim=128, group=group, v_fold=True)
-    assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
-
-
-def test_value_fold_needs_its_format() -> None:
-    for kw in ({"D": 64}, {"v_block": 32}, {"scale_dtype": "e8m0"}):
-        with pytest.raises(ConfigError, match="v_fold"):
-            _module("cpu", v_fold=True, **kw)
-
-
 def _module(
     device: str, *, Hq: int = 8, Hkv: int = 2, D: int = 128, P: int = 64, max_tokens: int = 4096, **kw
 ):
@@ -173,17 +161,9 @@ GPU_CASES = [
 ]
 
 
-# the value-fold variant where its format allows (D 128, 64-channel blocks, e4m3)
-GPU_CASES_FOLD = [(*c, False) for c in GPU_CASES] + [
-    (*c, True) for c in GPU_CASES if c[0] == 128 and c[3] == "e4m3" and c[4] == 64
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top", "v_fold"), GPU_CASES_FOLD)
-def test_gpu_decode_matches_reference(
-    D: int, G: int, Hkv: int, scale: str, block: int, top: int, v_fold: bool
-) -> None:
+@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top"), GPU_CASES)
+def test_gpu_decode_matches_reference(D: int, G: int, Hkv: int, scale: str, block: int, top: int) -> None:
     rng = torch.Generator().manual_seed(D * 100 + G * 10 + Hkv + block)
     P, B, dev = 64, 8, "cuda"
     lengths = _ragged(rng, B, top, P)
@@ -196,9 +176,8 @@ def test_gpu_decode_matches_reference(
     )
     batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=dev, generator=gdev)
     att = _module(
-        dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale,
-        v_fold=v_fold,
-    )  # fmt: skip
+        dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale
+    )
     att.check_tables(layer, batch)
     for _ in range(2):  # fresh queries, poisoned buffers, twice
         q = torch.randn(B, G * Hkv, D, device=dev)
@@ -212,16 +191,15 @@ def test_gpu_decode_matches_reference(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_fold", [False, True])
 @pytest.mark.parametrize("L", [1, 8191, 32768, 131072])
-def test_gpu_decode_long_context(L: int, v_fold: bool) -> None:
+def test_gpu_decode_long_context(L: int) -> None:
     D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
     lengths = [L, max(1, L // 3)]
     pages = sum(math.ceil(n / P) for n in lengths)
     gdev = torch.Generator(device=dev).manual_seed(L)
     layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
     batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072, v_fold=v_fold)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072)
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=L).clone()
@@ -230,9 +208,8 @@ def test_gpu_decode_long_context(L: int, v_fold: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_fold", [False, True])
 @pytest.mark.parametrize("q_scale", [1.0, 6.0])
-def test_gpu_decode_growing_and_peaky_scores(q_scale: float, v_fold: bool) -> None:
+def test_gpu_decode_growing_and_peaky_scores(q_scale: float) -> None:
     """Key scales that grow along each sequence (x16 from first to last page) move the running max
     again and again, so the kernel's lazy rescaling must take the exact max often; q_scale 6 makes
     the softmax peaky."""
@@ -250,7 +227,7 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float, v_fold: bool) -> No
             page = int(batch.block_table[b, i])
             s = torch.exp2(-2 + 4 * i / used + 0.1 * torch.rand(layer.k_scales[page].shape, device=dev))
             layer.k_scales[page] = encode_scale(round_scale(s, "e4m3"), "e4m3")
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, v_fold=v_fold)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096)
     q = torch.randn(B, G * Hkv, D, device=dev, generator=gdev) * q_scale
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=max(lengths)).clone()

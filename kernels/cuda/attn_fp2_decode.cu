@@ -50,9 +50,6 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
-#ifndef V_FOLD
-#define V_FOLD 0  // 1: value scales folded into P (D = 128, V_BLOCK = 64, E4M3; docs/fp2-kernel.md)
-#endif
 
 namespace {
 
@@ -74,11 +71,6 @@ static_assert(GROUP >= 1 && GROUP <= 8, "1..8 query heads per kv head");
 static_assert(K_BLOCK >= 16 * WPL && D % K_BLOCK == 0, "key block must cover a lane's channels");
 static_assert(V_BLOCK >= D / 8 && D % V_BLOCK == 0, "value block must cover a lane's channels");
 static_assert(TOK * NBK % 16 == 0 && TOK * NBV % 16 == 0, "scale rows of a stage copy in 16 B");
-// V_FOLD: each output M-tile holds the channels of one value scale block, so the block's scale is
-// a per-token factor of P^T (4 HMUL2 per tile) instead of a factor of every expanded value (32).
-// P <= 2^kRescaleSlack times a scale <= 448 must stay inside fp16, which rules out E8M0 scales.
-static_assert(!V_FOLD || (D == 128 && V_BLOCK == 64 && SCALE_FMT == kScaleE4M3),
-              "V_FOLD needs D = 128, 64-channel value blocks and E4M3 scales");
 
 struct __align__(16) Stage {
   uint32_t kc[TOK * WPR];  // [TOK, D/16] key code words, token-major as in the page
@@ -99,14 +91,8 @@ ZD_DEVICE int k_channel(int ks, int kk) {
   const int t = (kk & 7) >> 1, e = kk & 1, hi = kk >> 3;
   return 16 * (t * WPL + ks / 4) + 8 * hi + 4 * e + (ks & 3);
 }
-// The V channel of output row (m-tile m, half r) for lane group g. Default: lane group g holds
-// word g, M-tile m its channels m (row g) and 8 + m (row g + 8). V_FOLD: M-tile m lies in block
-// b = m / 4; lane group g holds half g / 4 of word 4b + g % 4, M-tile m its channels m % 4 (row g)
-// and 4 + m % 4 (row g + 8) of that half.
-ZD_DEVICE int v_channel(int g, int r, int m) {
-  if constexpr (V_FOLD) return 64 * (m >> 2) + 16 * (g & 3) + 8 * (g >> 2) + 4 * r + (m & 3);
-  return g * (D / 8) + r * (D / 16) + m;
-}
+// The V channel of output row (m-tile m, half r) for lane group g.
+ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16) + m; }
 
 struct Softmax {
   float m[2], l[2];  // running max (log2 domain) and this lane's partial sum, heads 2t, 2t+1
@@ -170,8 +156,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // exceeds m + kRescaleSlack (one vote, no shuffles), m is kept and nothing is rescaled; the
   // exact max over the warp (a 3-level shuffle chain, the longest dependency of a stage) is taken
   // only when some score does, which after the first stages is rare. P <= 2^8 fits fp16 easily.
-  // V_FOLD multiplies P by value scales (<= 448) in fp16: P <= 2^6 keeps P * s < 2^15
-  constexpr float kRescaleSlack = V_FOLD ? 6.f : 8.f;
+  constexpr float kRescaleSlack = 8.f;
   float mx[2] = {sm.m[0], sm.m[1]};
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -211,42 +196,6 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   }
 
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
-#if V_FOLD
-  // Per tile and value block b: P^T times the two tokens' block-b scales per pair (the B operand),
-  // the block's unscaled levels (the A operand), 4 M-tiles. Lane group g reads half g / 4 of word
-  // 4b + g % 4 of both tokens of a pair; lanes g and g + 4 read the same word (a broadcast).
-  const uint32_t half_sel = (g >> 2) ? 0x7362u : 0x5140u;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    int ta[2], tb[2];
-#pragma unroll
-    for (int pr = 0; pr < 2; ++pr) {
-      ta[pr] = 16 * i + 8 * pr + tok_of_pos8(2 * t);
-      tb[pr] = 16 * i + 8 * pr + tok_of_pos8(2 * t + 1);
-    }
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      uint32_t pbs[2], vb[2][8];
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        const uint32_t spair = st->vs[ta[pr] * NBV + b] | (uint32_t(st->vs[tb[pr] * NBV + b]) << 8);
-        uint32_t s2 = scales_to_half2<SCALE_FMT>(spair);
-        if constexpr (PARTIAL) {  // an unwritten slot's scale byte may be NaN (0x7f): 0 * NaN is NaN
-          s2 &= (((valid >> ta[pr]) & 1u) ? 0x0000ffffu : 0u) | (((valid >> tb[pr]) & 1u) ? 0xffff0000u : 0u);
-        }
-        pbs[pr] = h2_as_u32(__hmul2(u32_as_h2(pb[i][pr]), u32_as_h2(s2)));
-        const int w = 4 * b + (g & 3);
-        expand_word_e5m2(prmt(st->vc[ta[pr] * WPR + w], st->vc[tb[pr] * WPR + w], half_sel), vlt, vb[pr]);
-      }
-#pragma unroll
-      for (int mp = 0; mp < 4; ++mp) {
-        // channel mp of the half at e[2mp] (row g), 4 + mp at e[2mp + 1] (row g + 8)
-        const uint32_t a[4] = {vb[0][2 * mp], vb[0][2 * mp + 1], vb[1][2 * mp], vb[1][2 * mp + 1]};
-        mma_f16(oacc[4 * b + mp], a, pbs[0], pbs[1]);
-      }
-    }
-  }
-#else
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     // Lane (g, t) feeds token pairs at positions (2t, 2t+1) and (2t+8, 2t+9).
@@ -301,7 +250,6 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       mma_f16(oacc[m], a, pb[i][0], pb[i][1]);
     }
   }
-#endif
 }
 
 }  // namespace
