@@ -33,14 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--configs",
         default="4x4",
-        help="decode kernel variants WARPSxSTAGES[xMINBLOCKS], comma separated (the best is reported)",
+        help="decode kernel variants WARPSxSTAGES[xMINBLOCKS[xKEY_S8]], comma separated (the best is reported)",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
 
 
 def _case(
-    B: int, L: int, configs: list[tuple[int, int, int]], args: argparse.Namespace, flush, copy_bw: float
+    B: int, L: int, configs: list[tuple[int, int, int, int]], args: argparse.Namespace, flush, copy_bw: float
 ) -> dict:
     """Time FP2 decode (each kernel variant), the write kernel and FP16 SDPA for one (B, L)."""
     import torch
@@ -63,12 +63,12 @@ def _case(
     fp2_bytes = B * HKV * L * 2 * (D // 4 + D // 64) + B * HKV * HP * D * 2 * 2 + q.numel() * 4
     fp16_bytes = B * HKV * (L + HP) * D * 2 * 2
     row = {"B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": D, "fp2_bytes": fp2_bytes, "fp16_bytes": fp16_bytes}
-    for warps, stages, min_blocks in configs:
+    for warps, stages, min_blocks, key_s8 in configs:
         att = Fp2DecodeAttention(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
-            device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks,
+            device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=bool(key_s8),
         )  # fmt: skip
-        name = f"{warps}x{stages}x{min_blocks}"
+        name = f"{warps}x{stages}x{min_blocks}" + ("xs8" if key_s8 else "")
         ms = median_ms(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
         row[f"fp2_ms_{name}"] = ms
         if "fp2_ms" not in row or ms < row["fp2_ms"]:
@@ -129,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    configs = [(*(int(x) for x in c.split("x")), 1)[:3] for c in args.configs.split(",")]
+    defaults = (4, 4, 1, 0)  # warps, stages, min blocks, key_s8
+    configs = []
+    for c in args.configs.split(","):
+        given = [int(x) for x in c.split("x")]
+        configs.append((*given, *defaults[len(given) :]))
     # Bring the clocks up before the first case is timed (an idle GPU starts slow).
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(50):

@@ -35,6 +35,7 @@ class Fp2KernelConfig:
     num_warps: int = 4
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
+    key_s8: bool = False  # keys through int8 MMAs, scales on the scores (k_block >= 64)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -46,6 +47,7 @@ class Fp2KernelConfig:
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
+            "KEY_S8": int(self.key_s8),
         }
 
     def build_options(self, kernel: str) -> BuildOptions:

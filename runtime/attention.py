@@ -169,6 +169,7 @@ class Fp2DecodeAttention:
         num_warps: int = 4,
         stages: int = 4,
         min_blocks: int = 1,
+        key_s8: bool = False,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -183,6 +184,9 @@ class Fp2DecodeAttention:
                 f"blocks ({k_block}, {v_block}) must divide D={head_dim} and hold a lane's channels "
                 f"(k_block >= {head_dim // 4}, v_block >= {head_dim // 8})"
             )
+        if key_s8 and k_block < 64:
+            raise ConfigError(f"key_s8 needs key blocks of at least 64 channels, got {k_block}")
+        self.key_s8 = key_s8
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.k_block, self.v_block, self.scale_dtype = (
@@ -200,7 +204,7 @@ class Fp2DecodeAttention:
 
             self.kernels = Fp2Kernels(
                 Fp2KernelConfig(
-                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks
+                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8
                 )
             )
             self.kernels.load()
@@ -283,6 +287,9 @@ class Fp2DecodeAttention:
             raise KVInputError(
                 f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"
             )
+        k64 = lv[:4] * 64
+        if self.key_s8 and not bool(((k64 == k64.round()) & (k64.abs() <= 127)).all()):
+            raise KVInputError(f"key_s8 needs key levels that are int8 multiples of 1/64: {lv[:4].tolist()}")
         table = batch.block_table.cpu()
         for b, n in enumerate(lens.tolist()):
             used = table[b, : (n + P - 1) // P]

@@ -38,6 +38,20 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
     assert compile_cubin(kernel, cfg.build_options(kernel))[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True), Fp2KernelConfig(64, 8, 64, 32, "e8m0", key_s8=True),
+     Fp2KernelConfig(128, 1, 128, 64, "e4m3", min_blocks=4, key_s8=True)],
+    ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}{c.scale_dtype}m{c.min_blocks}",
+)  # fmt: skip
+def test_int8_key_variant_compiles_for_sm90(cfg: Fp2KernelConfig) -> None:
+    assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
+
+
+def test_int8_keys_need_64_channel_blocks() -> None:
+    with pytest.raises(ConfigError, match="key_s8"):
+        _module("cpu", k_block=32, key_s8=True)
+
 def _module(
     device: str, *, Hq: int = 8, Hkv: int = 2, D: int = 128, P: int = 64, max_tokens: int = 4096, **kw
 ):
@@ -161,9 +175,15 @@ GPU_CASES = [
 ]
 
 
+# and the int8-key variant where its format allows (key blocks of at least 64 channels)
+GPU_CASES_S8 = [(*c, False) for c in GPU_CASES] + [(*c, True) for c in GPU_CASES if c[4] >= 64]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top"), GPU_CASES)
-def test_gpu_decode_matches_reference(D: int, G: int, Hkv: int, scale: str, block: int, top: int) -> None:
+@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top", "key_s8"), GPU_CASES_S8)
+def test_gpu_decode_matches_reference(
+    D: int, G: int, Hkv: int, scale: str, block: int, top: int, key_s8: bool
+) -> None:
     rng = torch.Generator().manual_seed(D * 100 + G * 10 + Hkv + block)
     P, B, dev = 64, 8, "cuda"
     lengths = _ragged(rng, B, top, P)
@@ -176,8 +196,9 @@ def test_gpu_decode_matches_reference(D: int, G: int, Hkv: int, scale: str, bloc
     )
     batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=dev, generator=gdev)
     att = _module(
-        dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale
-    )
+        dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale,
+        key_s8=key_s8,
+    )  # fmt: skip
     att.check_tables(layer, batch)
     for _ in range(2):  # fresh queries, poisoned buffers, twice
         q = torch.randn(B, G * Hkv, D, device=dev)
@@ -191,15 +212,16 @@ def test_gpu_decode_matches_reference(D: int, G: int, Hkv: int, scale: str, bloc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_s8", [False, True])
 @pytest.mark.parametrize("L", [1, 8191, 32768, 131072])
-def test_gpu_decode_long_context(L: int) -> None:
+def test_gpu_decode_long_context(L: int, key_s8: bool) -> None:
     D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
     lengths = [L, max(1, L // 3)]
     pages = sum(math.ceil(n / P) for n in lengths)
     gdev = torch.Generator(device=dev).manual_seed(L)
     layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
     batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072, key_s8=key_s8)
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=L).clone()
@@ -208,8 +230,9 @@ def test_gpu_decode_long_context(L: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_s8", [False, True])
 @pytest.mark.parametrize("q_scale", [1.0, 6.0])
-def test_gpu_decode_growing_and_peaky_scores(q_scale: float) -> None:
+def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool) -> None:
     """Key scales that grow along each sequence (x16 from first to last page) move the running max
     again and again, so the kernel's lazy rescaling must take the exact max often; q_scale 6 makes
     the softmax peaky."""
@@ -227,7 +250,7 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float) -> None:
             page = int(batch.block_table[b, i])
             s = torch.exp2(-2 + 4 * i / used + 0.1 * torch.rand(layer.k_scales[page].shape, device=dev))
             layer.k_scales[page] = encode_scale(round_scale(s, "e4m3"), "e4m3")
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, key_s8=key_s8)
     q = torch.randn(B, G * Hkv, D, device=dev, generator=gdev) * q_scale
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=max(lengths)).clone()

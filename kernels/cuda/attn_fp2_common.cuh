@@ -36,6 +36,32 @@ ZD_DEVICE void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D += A (16x32, row) * B (32x8, col); int8 inputs, int32 accumulators (m16n8k32 fragments: a lane
+// (g, t) holds A rows g / g + 8 at k 4t..4t+3 and 16+4t..16+4t+3, four bytes to a register, lowest
+// k in the lowest byte; B column g at the same k). Native on sm_90 (IMMA.16832); the e4m3 form of
+// this instruction is not (it compiles to conversions plus two fp16 HMMAs).
+ZD_DEVICE void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// x rounded to the nearest integer (ties to even) as an int8 byte, saturating.
+ZD_DEVICE uint32_t s8_byte(float x) {
+  int d;
+  asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(d) : "f"(x));
+  return uint32_t(d) & 0xFFu;
+}
+
+// Byte b of x (an e4m3 value) as fp32 (exact).
+ZD_DEVICE float e4m3_to_float(uint32_t byte) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<uint16_t>(byte & 0xFFu)));
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)));
+}
+
 // Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane: row lane/4, columns
 // 2*(lane%4) and +1): afterwards the lane holds row lane/4 of the transpose.
 ZD_DEVICE uint32_t movmatrix_trans(uint32_t x) {
@@ -99,6 +125,17 @@ ZD_DEVICE uint32_t scales_to_half2(uint32_t pair) {
   }
 }
 
+// One 8-bit scale as fp32, exactly (E8M0: 2^(e-127), no clamping; the byte 0xFF, NaN by the
+// format, gives inf, which only unwritten slots hold and the kernels mask).
+template <int FMT>
+ZD_DEVICE float scale_to_float(uint32_t byte) {
+  if constexpr (FMT == kScaleE4M3) {
+    return e4m3_to_float(byte);
+  } else {
+    return byte ? __uint_as_float(byte << 23) : __uint_as_float(0x00400000u);  // 2^-127 is subnormal
+  }
+}
+
 // ---- code expansion -----------------------------------------------------------------------------
 //
 // Both expansions give, for one code word w (code j at bits [2j, 2j+1]):
@@ -151,6 +188,20 @@ ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
     out[2 * s] = prmt(t, 0u, sel);
     out[2 * s + 1] = prmt(t, 0u, shr_fma<16>(sel));
   }
+}
+
+// 8-bit table (e.g. the levels as int8): t = (L0, L1, L2, L3) as bytes, and a code c in the low 2
+// bits of a selector nibble picks byte c. One word gives four registers of four 8-bit values:
+//   out[0] = L[codes 0, 2, 4, 6]   out[1] = L[codes 8, 10, 12, 14]
+//   out[2] = L[codes 1, 3, 5, 7]   out[3] = L[codes 9, 11, 13, 15]
+// (w & 0x33333333 leaves code 2n in nibble n; prmt reads the low four nibbles). Per word: 2 LOP3 +
+// 4 PRMT (ALU) and 3 IMAD.HI (FMA): 9 instructions for 16 elements, against 19-23 for fp16 halves.
+ZD_DEVICE void expand_word_bytes(uint32_t w, uint32_t t, uint32_t (&out)[4]) {
+  const uint32_t even = w & 0x33333333u, odd = shr_fma<2>(w) & 0x33333333u;
+  out[0] = prmt(t, 0u, even);
+  out[1] = prmt(t, 0u, shr_fma<16>(even));
+  out[2] = prmt(t, 0u, odd);
+  out[3] = prmt(t, 0u, shr_fma<16>(odd));
 }
 
 }  // namespace zd

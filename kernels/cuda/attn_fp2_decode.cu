@@ -47,6 +47,9 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef KEY_S8
+#define KEY_S8 0  // 1: keys as int8 in m16n8k32 IMMAs, key scales applied to the scores (K_BLOCK >= 64)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -70,6 +73,8 @@ static_assert(GROUP >= 1 && GROUP <= 8, "1..8 query heads per kv head");
 // inside one scale block.
 static_assert(K_BLOCK >= 16 * WPL && D % K_BLOCK == 0, "key block must cover a lane's channels");
 static_assert(V_BLOCK >= D / 8 && D % V_BLOCK == 0, "value block must cover a lane's channels");
+// KEY_S8: a k32 step must lie in one key scale block (its partial scores get that block's scale).
+static_assert(!KEY_S8 || K_BLOCK >= 64, "KEY_S8 needs key blocks of at least 64 channels");
 static_assert(TOK * NBK % 16 == 0 && TOK * NBV % 16 == 0, "scale rows of a stage copy in 16 B");
 
 struct __align__(16) Stage {
@@ -94,6 +99,34 @@ ZD_DEVICE int k_channel(int ks, int kk) {
 // The V channel of output row (m-tile m, half r) for lane group g.
 ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16) + m; }
 
+// What the score MMAs need besides the stage: the query as B fragments and the key level table.
+#if KEY_S8
+// Keys are their levels times 64 as int8 (integers for every e5m2-exact codebook with inner levels
+// >= 1/16; check_tables verifies), the MMA is m16n8k32 int8 x int8 -> int32. The query is scaled by
+// a power of two c (largest |q c| in [32, 64)) and split into two int8 terms, q c ~ hi + lo / 128,
+// so q c * 128 is an integer of up to 13 bits (fp16 q has 11): two IMMAs per k32 step, combined
+// exactly in int32 (hi * 128 + lo), converted once, and multiplied by the block's key scale / (c *
+// 64 * 128).
+// Lane t supplies word 4j + t of its rows for k32 steps 2j (codes 0,2,.. / 8,10,..) and 2j + 1
+// (codes 1,3,.. / 9,11,..): k32 step ks, k index kk (0..31) is channel k8_channel(ks, kk).
+constexpr int KS8 = D / 32;  // k32 steps
+constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
+struct KeyOps {
+  uint32_t qf[KS8][2][2];  // [k32 step][hi, lo][b0, b1]
+  uint32_t table;          // 64 L0..L3 as int8, bytes 0..3
+  float inv;               // 1 / (c * 64 * 128)
+};
+ZD_DEVICE int k8_channel(int ks, int kk) {
+  const int t = (kk & 15) >> 2, e = kk & 3, hi = kk >> 4;
+  return 16 * (4 * (ks >> 1) + t) + 8 * hi + 2 * e + (ks & 1);
+}
+#else
+struct KeyOps {
+  uint32_t qf[NKS][2];  // Q^T B fragments, channels in k_channel order
+  uint32_t kl01, kl23;  // half2(L0, L1), half2(L2, L3)
+};
+#endif
+
 struct Softmax {
   float m[2], l[2];  // running max (log2 domain) and this lane's partial sum, heads 2t, 2t+1
 };
@@ -112,11 +145,51 @@ ZD_DEVICE void load_stage(Stage* st, int lane, const uint32_t* kc, const uint32_
 }
 
 template <bool PARTIAL>
-ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, const uint32_t (&qf)[NKS][2],
-                             uint32_t kl01, uint32_t kl23, uint32_t vlt, Softmax& sm,
-                             float (&oacc)[NKS][4]) {
+ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, const KeyOps& key, uint32_t vlt,
+                             Softmax& sm, float (&oacc)[NKS][4]) {
   // ---- scores^T = K Q^T for NT tiles ------------------------------------------------------------
   float sacc[NT][4];
+#if KEY_S8
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    uint32_t a[2][WPJ][4];  // [row half][word][register], expand_word_bytes' order
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t* row = st->kc + (16 * i + 8 * r + tok_of_pos8(g)) * WPR;
+#pragma unroll
+      for (int j = 0; j < WPJ; ++j) expand_word_bytes(row[4 * j + t], key.table, a[r][j]);
+    }
+    int hi[NBK][4], lo[NBK][4];  // partial dot products per key scale block, per query term
+#pragma unroll
+    for (int b = 0; b < NBK; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) hi[b][c] = lo[b][c] = 0;
+#pragma unroll
+    for (int ks = 0; ks < KS8; ++ks) {
+      const int j = ks >> 1, o = 2 * (ks & 1), b = 64 * j / K_BLOCK;
+      mma_s8(hi[b], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][0][0], key.qf[ks][0][1]);
+      mma_s8(lo[b], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][1][0], key.qf[ks][1][1]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, heads 2t, 2t+1
+      const uint8_t* sb = st->ks + (16 * i + 8 * r + tok_of_pos8(g)) * NBK;
+#pragma unroll
+      for (int b = 0; b < NBK; ++b) {
+        const float sc = scale_to_float<SCALE_FMT>(sb[b]) * key.inv;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float v = float(hi[b][2 * r + h] * 128 + lo[b][2 * r + h]);  // exact: |v| < 2^27
+          sacc[i][2 * r + h] = b ? fmaf(v, sc, sacc[i][2 * r + h]) : v * sc;
+        }
+      }
+    }
+    if constexpr (PARTIAL) {
+      const int tok0 = 16 * i + tok_of_pos8(g);
+      if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
+      if (!((valid >> (tok0 + 8)) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+    }
+  }
+#else
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     uint32_t a[NKS][4];
@@ -125,8 +198,8 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       const int tok = 16 * i + 8 * r + tok_of_pos8(g);
       const uint32_t sbyte = st->ks[tok * NBK + (16 * t * WPL) / K_BLOCK];
       const __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(sbyte * 0x0101u));
-      const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(kl01), s2));
-      const uint32_t t23 = h2_as_u32(__hmul2(u32_as_h2(kl23), s2));
+      const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(key.kl01), s2));
+      const uint32_t t23 = h2_as_u32(__hmul2(u32_as_h2(key.kl23), s2));
       const uint32_t* row = st->kc + tok * WPR + t * WPL;
 #pragma unroll
       for (int w = 0; w < WPL; ++w) {
@@ -142,13 +215,14 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
     for (int c = 0; c < 4; ++c) sacc[i][c] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], qf[ks][0], qf[ks][1]);
+    for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], key.qf[ks][0], key.qf[ks][1]);
     if constexpr (PARTIAL) {
       const int tok0 = 16 * i + tok_of_pos8(g);
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
       if (!((valid >> (tok0 + 8)) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
     }
   }
+#endif
 
   // ---- online softmax (per head: lanes with equal t hold the same two heads) --------------------
   // Lazy rescaling: the running max m only has to bound the scores well enough that 2^(s - m)
@@ -287,22 +361,61 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int g = lane >> 2, t = lane & 3;
   Stage* ring = reinterpret_cast<Stage*>(smem_raw) + warp * STAGES;
 
-  // Q^T fragments (B operand): head g, channels in the permuted K order.
-  uint32_t qf[NKS][2];
+  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros), channels in the permuted
+  // K order.
+  KeyOps key;
   {
     const __half* qh = q + (size_t(b) * num_q_heads + kvh * GROUP + min(g, GROUP - 1)) * D;
-    const bool live = g < GROUP;  // padded heads multiply zeros
+    const bool live = g < GROUP;
+#if KEY_S8
+    float x[KS8][2][4];
+    float mx = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS8; ++ks)
+#pragma unroll
+      for (int hl = 0; hl < 2; ++hl)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[ks][hl][e] = live ? __half2float(qh[k8_channel(ks, 16 * hl + 4 * t + e)]) : 0.f;
+          mx = fmaxf(mx, fabsf(x[ks][hl][e]));
+        }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    // c = 2^(5 - floor(log2 mx)); q arrives as fp16, so mx is 0 or a normal fp32 in [2^-24, 65504]
+    const int ex = mx > 0.f ? int((__float_as_uint(mx) >> 23) & 0xFFu) - 127 : 0;
+    const float c = __uint_as_float(uint32_t(127 + 5 - ex) << 23);
+    key.inv = __uint_as_float(uint32_t(127 - 5 - 13 + ex) << 23);  // 1 / (c * 2^13)
+#pragma unroll
+    for (int ks = 0; ks < KS8; ++ks)
+#pragma unroll
+      for (int hl = 0; hl < 2; ++hl) {
+        uint32_t whi = 0, wlo = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = x[ks][hl][e] * c;  // exact: a power of two; |v| < 64
+          const float h = rintf(v);
+          whi |= s8_byte(h) << (8 * e);
+          wlo |= s8_byte((v - h) * 128.f) << (8 * e);  // |v - h| <= 1/2: within [-64, 64]
+        }
+        key.qf[ks][0][hl] = whi;
+        key.qf[ks][1][hl] = wlo;
+      }
+    key.table = s8_byte(levels[0] * 64.f) | (s8_byte(levels[1] * 64.f) << 8) | (s8_byte(levels[2] * 64.f) << 16) |
+                (s8_byte(levels[3] * 64.f) << 24);
+#else
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
 #pragma unroll
       for (int hl = 0; hl < 2; ++hl) {
         const __half x0 = live ? qh[k_channel(ks, 8 * hl + 2 * t)] : __float2half(0.f);
         const __half x1 = live ? qh[k_channel(ks, 8 * hl + 2 * t + 1)] : __float2half(0.f);
-        qf[ks][hl] = h2_as_u32(__halves2half2(x0, x1));
+        key.qf[ks][hl] = h2_as_u32(__halves2half2(x0, x1));
       }
     }
+    key.kl01 = pack_half2(levels[0], levels[1]);
+    key.kl23 = pack_half2(levels[2], levels[3]);
+#endif
   }
-  const uint32_t kl01 = pack_half2(levels[0], levels[1]), kl23 = pack_half2(levels[2], levels[3]);
   // Value levels as the high bytes of their fp16 (e5m2-exact by the format).
   const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
@@ -360,11 +473,11 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const Stage* st = ring + k % STAGES;
     const int f0 = r_lo + si * TOK;
     if (f0 >= lo && f0 + TOK <= r_hi) {
-      compute_stage<false>(st, g, t, 0xffffffffu, qf, kl01, kl23, vlt, sm, oacc);
+      compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
     } else {
       const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
       const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
-      compute_stage<true>(st, g, t, valid, qf, kl01, kl23, vlt, sm, oacc);
+      compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
     }
   }
   cp_async_wait<0>();
