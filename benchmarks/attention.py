@@ -99,7 +99,8 @@ def _case(
             # lone small kernel's time here is mostly the replay's own floor, ~12 us on the H200).
             both = median_ms(
                 lambda y=y, s=s, f=f: (
-                    writer.write(y, s, f, layer, batch.block_table), best(q, layer, batch, max_len=L)
+                    writer.write(y, s, f, layer, batch.block_table),
+                    best(q, layer, batch, max_len=L),
                 ),
                 args.reps,
                 flush,

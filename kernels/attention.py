@@ -105,7 +105,9 @@ class Fp2Kernels:
     def decode_ctas_per_sm(self) -> int:
         """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
         occ = self._decode.occupancy
-        return int(occ.max_active_blocks_per_multiprocessor(32 * self.cfg.num_warps, self.cfg.decode_smem_bytes))
+        return int(
+            occ.max_active_blocks_per_multiprocessor(32 * self.cfg.num_warps, self.cfg.decode_smem_bytes)
+        )
 
     def decode(
         self,
@@ -158,7 +160,9 @@ class Fp2Kernels:
         floats = self.cfg.group * (S + hp_max) + self.cfg.group * self.cfg.head_dim + self.cfg.group
         smem = 4 * ((floats + 3) & ~3) + 2 * hp_max * self.cfg.head_dim  # + the staged bf16 keys
         if smem > 48 * 1024:
-            raise ValueError(f"merge needs {smem} B of shared memory (splits {S}, bf16 tokens {hp_max}): over 48 KB")
+            raise ValueError(
+                f"merge needs {smem} B of shared memory (splits {S}, bf16 tokens {hp_max}): over 48 KB"
+            )
         args = (
             ptr(o_part), ptr(ml_part), ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens),
             np.int32(num_splits), np.int32(S),

@@ -39,9 +39,13 @@ class KernelShape:
         # every module compiles both kernels: gate+up's block (2 * warps) and its shared partial sums
         # ((2 * ksplit - 1) * row_tiles * 2 KB, static, at most 48 KB) bound every shape
         if min(self.row_tiles, self.ksplit, self.unroll) < 1 or 2 * 32 * self.row_tiles * self.ksplit > 1024:
-            raise ConfigError(f"kernel shape {self}: need positive sizes and 2 * 32 * row_tiles * ksplit <= 1024")
+            raise ConfigError(
+                f"kernel shape {self}: need positive sizes and 2 * 32 * row_tiles * ksplit <= 1024"
+            )
         if (2 * self.ksplit - 1) * self.row_tiles * 2048 > 48 * 1024:
-            raise ConfigError(f"kernel shape {self}: (2 * ksplit - 1) * row_tiles * 2 KB of shared memory > 48 KB")
+            raise ConfigError(
+                f"kernel shape {self}: (2 * ksplit - 1) * row_tiles * 2 KB of shared memory > 48 KB"
+            )
         if self.stages == 1 or self.stages < 0:
             raise ConfigError(f"kernel shape {self}: stages must be 0 (no ring) or >= 2")
 
@@ -81,7 +85,7 @@ class ExpertsConfig:
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
-        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4/4x2x4'."""
+        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL[xSTAGES]', e.g. '8x1x4/4x2x4'."""
         gate_up, down = text.split("/")
         return ExpertsConfig(KernelShape.parse(gate_up), KernelShape.parse(down))
 

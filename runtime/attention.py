@@ -287,9 +287,12 @@ class Fp2DecodeAttention:
             raise KVInputError(
                 f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"
             )
-        k64 = lv[:4] * 64
-        if self.key_s8 and not bool(((k64 == k64.round()) & (k64.abs() <= 127)).all()):
-            raise KVInputError(f"key_s8 needs key levels that are int8 multiples of 1/64: {lv[:4].tolist()}")
+        kf = lv[:4] * (64 if float(lv[:4].abs().max()) < 2 else 32)  # the kernel's int8 key table
+        if self.key_s8 and not bool(((kf == kf.round()) & (kf.abs() <= 127)).all()):
+            raise KVInputError(
+                f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
+                f"{lv[:4].tolist()}; build the attention with key_s8=False"
+            )
         table = batch.block_table.cpu()
         for b, n in enumerate(lens.tolist()):
             used = table[b, : (n + P - 1) // P]
@@ -346,7 +349,9 @@ class Fp2Writer:
         if scale_dtype not in ("e4m3", "e8m0"):
             raise ConfigError(f"the write kernel writes e4m3 or e8m0 scales, got {scale_dtype!r}")
         if head_dim not in (64, 128) or head_dim % k_block or head_dim % v_block:
-            raise ConfigError(f"blocks ({k_block}, {v_block}) must divide a head dim of 64 or 128, got {head_dim}")
+            raise ConfigError(
+                f"blocks ({k_block}, {v_block}) must divide a head dim of 64 or 128, got {head_dim}"
+            )
         self.head_dim, self.k_block, self.v_block, self.scale_dtype = head_dim, k_block, v_block, scale_dtype
         self.rules = (k_rule, v_rule)
         self.device = canonical_device(device)

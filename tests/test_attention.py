@@ -52,6 +52,7 @@ def test_int8_keys_need_64_channel_blocks() -> None:
     with pytest.raises(ConfigError, match="key_s8"):
         _module("cpu", k_block=32, key_s8=True)
 
+
 def _module(
     device: str, *, Hq: int = 8, Hkv: int = 2, D: int = 128, P: int = 64, max_tokens: int = 4096, **kw
 ):

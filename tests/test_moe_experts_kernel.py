@@ -27,6 +27,13 @@ def test_experts_kernel_compiles_for_sm90() -> None:
     assert compile_cubin("moe_experts", experts_build_options())[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("shape", ["2x1x4x3", "4x2x2x3", "1x2x3x3"])
+def test_ring_variants_compile_for_sm90(shape: str) -> None:
+    from zerodram.kernels.experts import KernelShape
+
+    assert compile_cubin("moe_experts", experts_build_options(KernelShape.parse(shape)))[:4] == b"\x7fELF"
+
+
 def _shard(El: int, D: int, F: int, seed: int, device: str = "cpu") -> ExpertShard:
     gen = torch.Generator().manual_seed(seed)
 

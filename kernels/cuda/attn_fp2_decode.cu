@@ -101,20 +101,20 @@ ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16)
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
 #if KEY_S8
-// Keys are their levels times 64 as int8 (integers for every e5m2-exact codebook with inner levels
-// >= 1/16; check_tables verifies), the MMA is m16n8k32 int8 x int8 -> int32. The query is scaled by
-// a power of two c (largest |q c| in [32, 64)) and split into two int8 terms, q c ~ hi + lo / 128,
-// so q c * 128 is an integer of up to 13 bits (fp16 q has 11): two IMMAs per k32 step, combined
-// exactly in int32 (hi * 128 + lo), converted once, and multiplied by the block's key scale / (c *
-// 64 * 128).
+// Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
+// codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
+// m16n8k32 int8 x int8 -> int32. The query is scaled by a power of two c (largest |q c| in [32, 64))
+// and split into two int8 terms, q c ~ hi + lo / 128, so q c * 128 is an integer of up to 13 bits
+// (fp16 q has 11): two IMMAs per k32 step, combined in int32 (hi * 128 + lo), converted once, and
+// multiplied by the block's key scale / (c * f * 128).
 // Lane t supplies word 4j + t of its rows for k32 steps 2j (codes 0,2,.. / 8,10,..) and 2j + 1
 // (codes 1,3,.. / 9,11,..): k32 step ks, k index kk (0..31) is channel k8_channel(ks, kk).
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
 struct KeyOps {
   uint32_t qf[KS8][2][2];  // [k32 step][hi, lo][b0, b1]
-  uint32_t table;          // 64 L0..L3 as int8, bytes 0..3
-  float inv;               // 1 / (c * 64 * 128)
+  uint32_t table;          // f L0..L3 as int8, bytes 0..3
+  float inv;               // 1 / (c * f * 128)
 };
 ZD_DEVICE int k8_channel(int ks, int kk) {
   const int t = (kk & 15) >> 2, e = kk & 3, hi = kk >> 4;
@@ -178,7 +178,8 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         const float sc = scale_to_float<SCALE_FMT>(sb[b]) * key.inv;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float v = float(hi[b][2 * r + h] * 128 + lo[b][2 * r + h]);  // exact: |v| < 2^27
+          // |hi * 128 + lo| < 2^27: exact in int32, rounded once to fp32 (2^-24 relative)
+          const float v = float(hi[b][2 * r + h] * 128 + lo[b][2 * r + h]);
           sacc[i][2 * r + h] = b ? fmaf(v, sc, sacc[i][2 * r + h]) : v * sc;
         }
       }
@@ -384,7 +385,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     // c = 2^(5 - floor(log2 mx)); q arrives as fp16, so mx is 0 or a normal fp32 in [2^-24, 65504]
     const int ex = mx > 0.f ? int((__float_as_uint(mx) >> 23) & 0xFFu) - 127 : 0;
     const float c = __uint_as_float(uint32_t(127 + 5 - ex) << 23);
-    key.inv = __uint_as_float(uint32_t(127 - 5 - 13 + ex) << 23);  // 1 / (c * 2^13)
+    const bool wide = fmaxf(fabsf(levels[0]), fabsf(levels[3])) >= 2.f;  // f = 32 instead of 64
+    const float f = wide ? 32.f : 64.f;
+    key.inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c * f * 128)
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
@@ -400,8 +403,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         key.qf[ks][0][hl] = whi;
         key.qf[ks][1][hl] = wlo;
       }
-    key.table = s8_byte(levels[0] * 64.f) | (s8_byte(levels[1] * 64.f) << 8) | (s8_byte(levels[2] * 64.f) << 16) |
-                (s8_byte(levels[3] * 64.f) << 24);
+    key.table = s8_byte(levels[0] * f) | (s8_byte(levels[1] * f) << 8) | (s8_byte(levels[2] * f) << 16) |
+                (s8_byte(levels[3] * f) << 24);
 #else
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {

@@ -14,7 +14,9 @@
 // tokens are the B side. The reduction index inside an m16n8k16 MMA may be permuted freely as long
 // as A and B use the same permutation, so a lane loads 8 consecutive k of a weight row (one uint4)
 // and 8 consecutive k of its token row, and two MMAs consume them (lane quad c holds logical k
-// {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory,
+// {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory
+// on the default path (STAGES 0; the STAGES >= 2 variant stages the weights through a per-warp
+// cp.async ring first),
 // no layout change of the weights, and about 3 warp instructions per 1 KB of weights.
 //
 // grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT (x2 for gate+up): warp
@@ -180,11 +182,14 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
     // Stage j = k32 steps [UNROLL j, UNROLL j + UNROLL) of the warp's share (the last may be short).
     // A copy instruction of the warp covers 32 consecutive 16-byte chunks of the stage, i.e. whole
     // 64 * UNROLL-byte row pieces (long contiguous reads); the MMA reads, lane (g, c) taking chunk
-    // 4u + c of rows g and g + 8, are conflict-free with the chunks of odd rows XOR-swizzled by 4.
+    // 4u + c of rows g and g + 8, are conflict-free (see kSwz).
     const int nsteps = (k_end - k_begin) / 32, nstages = (nsteps + UNROLL - 1) / UNROLL;
     const uint32_t ring = smem_addr(pool) + warp * STAGES * kSlotChunks * 16;
     const __nv_bfloat16* wt = (mat ? w1 : w0) + (size_t(e) * R + r0) * K + k_begin;  // tile row 0
-    constexpr int kSwz = UNROLL >= 2 ? 4 : 0;
+    // Even UNROLL: rows are whole 128-byte bank lines apart, so odd rows' chunks are XOR-swizzled by
+    // 4 to take the other half of the line. Odd UNROLL: rows are 64 B (mod 128) apart already, and
+    // a swizzle would push chunks past the row.
+    constexpr int kSwz = UNROLL % 2 == 0 ? 4 : 0;
     auto issue = [&](int j) {
       if (j < nstages) {
         const int valid = 4 * min(UNROLL, nsteps - UNROLL * j);  // chunks per row in this stage
