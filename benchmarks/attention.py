@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _case(
-    B: int, L: int, configs: list[tuple[int, int, int, int]], args: argparse.Namespace, flush, copy_bw: float
+    B: int, L: int, configs: list[tuple[int, int, int, int | None]], args: argparse.Namespace, flush, copy_bw: float
 ) -> dict:
     """Time FP2 decode (each kernel variant), the write kernel and FP16 SDPA for one (B, L)."""
     import torch
@@ -66,9 +66,9 @@ def _case(
     for warps, stages, min_blocks, key_s8 in configs:
         att = Fp2DecodeAttention(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
-            device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=bool(key_s8),
+            device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=None if key_s8 is None else bool(key_s8),
         )  # fmt: skip
-        name = f"{warps}x{stages}x{min_blocks}" + ("xs8" if key_s8 else "")
+        name = f"{warps}x{stages}x{min_blocks}" + {None: "", 0: "xf16", 1: "xs8"}[key_s8]
         ms = median_ms(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
         row[f"fp2_ms_{name}"] = ms
         if "fp2_ms" not in row or ms < row["fp2_ms"]:
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    defaults = (4, 4, 1, 0)  # warps, stages, min blocks, key_s8
+    defaults = (4, 4, 1, None)  # warps, stages, min blocks, key_s8 (None: the runtime's choice)
     configs = []
     for c in args.configs.split(","):
         given = [int(x) for x in c.split("x")]

@@ -33,59 +33,34 @@ class KernelShape:
     row_tiles: int
     ksplit: int
     unroll: int
-    stages: int = 0  # 0: weights loaded straight into registers; >= 2: a cp.async ring per warp
 
     def __post_init__(self) -> None:
         # every module compiles both kernels: gate+up's block (2 * warps) and its shared partial sums
         # ((2 * ksplit - 1) * row_tiles * 2 KB, static, at most 48 KB) bound every shape
         if min(self.row_tiles, self.ksplit, self.unroll) < 1 or 2 * 32 * self.row_tiles * self.ksplit > 1024:
-            raise ConfigError(
-                f"kernel shape {self}: need positive sizes and 2 * 32 * row_tiles * ksplit <= 1024"
-            )
+            raise ConfigError(f"kernel shape {self}: need positive sizes and 2 * 32 * row_tiles * ksplit <= 1024")
         if (2 * self.ksplit - 1) * self.row_tiles * 2048 > 48 * 1024:
-            raise ConfigError(
-                f"kernel shape {self}: (2 * ksplit - 1) * row_tiles * 2 KB of shared memory > 48 KB"
-            )
-        if self.stages == 1 or self.stages < 0:
-            raise ConfigError(f"kernel shape {self}: stages must be 0 (no ring) or >= 2")
-
-    def smem_bytes(self, mats: int) -> int:
-        """Dynamic shared memory of the kernel with `mats` weight matrices (2: gate+up, 1: down): the
-        warps' rings, which the partial sums reuse; 0 without a ring (the sums are static then)."""
-        if not self.stages:
-            return 0
-        parts = mats * self.ksplit
-        ring = parts * self.row_tiles * self.stages * self.unroll * 1024
-        red = max(parts - 1, 1) * self.row_tiles * 32 * TOKENS_PER_PASS // 8 * 4 * 4
-        return max(ring, red)
+            raise ConfigError(f"kernel shape {self}: (2 * ksplit - 1) * row_tiles * 2 KB of shared memory > 48 KB")
 
     @staticmethod
     def parse(text: str) -> KernelShape:
-        """'ROW_TILESxKSPLITxUNROLL[xSTAGES]', e.g. '8x1x4' or '2x1x4x3'."""
+        """'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4'."""
         return KernelShape(*(int(v) for v in text.split("x")))
 
     def __str__(self) -> str:
-        return f"{self.row_tiles}x{self.ksplit}x{self.unroll}" + (f"x{self.stages}" if self.stages else "")
+        return f"{self.row_tiles}x{self.ksplit}x{self.unroll}"
 
 
 @dataclass(frozen=True)
 class ExpertsConfig:
     """The two kernels' shapes (from a sweep on the H200, docs/benchmarks.md "Experts")."""
 
-    gate_up: KernelShape = KernelShape(8, 1, 4)
-    down: KernelShape = KernelShape(4, 2, 4)
-
-    def __post_init__(self) -> None:
-        for name, shape, mats in (("gate+up", self.gate_up, 2), ("down", self.down, 1)):
-            if shape.smem_bytes(mats) > 48 * 1024:
-                raise ConfigError(
-                    f"{name} kernel shape {shape}: its rings take {shape.smem_bytes(mats)} B of shared "
-                    "memory, more than the 48 KB a launch gets without opting in"
-                )
+    gate_up: KernelShape = KernelShape(4, 1, 8)
+    down: KernelShape = KernelShape(4, 2, 8)
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
-        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL[xSTAGES]', e.g. '8x1x4/4x2x4'."""
+        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4/4x2x4'."""
         gate_up, down = text.split("/")
         return ExpertsConfig(KernelShape.parse(gate_up), KernelShape.parse(down))
 
@@ -102,7 +77,6 @@ def experts_build_options(shape: KernelShape = DEFAULT_CONFIG.gate_up) -> BuildO
         "KSPLIT": shape.ksplit,
         "NG": TOKENS_PER_PASS // 8,
         "UNROLL": shape.unroll,
-        "STAGES": shape.stages,
     }
     return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -171,9 +145,7 @@ def swiglu_experts_cuda(
     with torch.cuda.device(x.device):
         gate_up, down = _kernels(x.device.index, config)
         launch(gate_up, grid=(-(-F_ // (16 * gu.row_tiles)), El), block=(2 * 32 * gu.row_tiles * gu.ksplit,),
-               args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)),
-               shared_mem=gu.smem_bytes(2))  # fmt: skip
+               args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
         launch(down, grid=(-(-D // (16 * dn.row_tiles)), El), block=(32 * dn.row_tiles * dn.ksplit,),
-               args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)),
-               shared_mem=dn.smem_bytes(1))  # fmt: skip
+               args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip
     return y

