@@ -147,6 +147,9 @@ class Fp2DecodeAttention:
         max_batch, max_fp2_tokens: bounds that size the preallocated split workspace.
         device: a CUDA device runs the kernels, anything else the torch reference.
         softmax_scale: default head_dim ** -0.5.
+        num_warps, stages, min_blocks: the decode kernel's launch shape (`Fp2KernelConfig`).
+        key_s8: keys through int8 MMAs (docs/fp2-kernel.md, "Int8 keys"); None: wherever the format
+            allows (k_block >= 64), else the fp16-key path.
 
     Raises:
         ConfigError: unsupported shape or format.

@@ -1,5 +1,6 @@
 // Split-KV FP2 decode attention: one query token per sequence, all query heads of a KV-head group
-// in one CTA, codes expanded to fp16 in registers right before tensor-core MMA (mma.sync m16n8k16).
+// in one CTA, codes expanded in registers right before tensor-core MMA: values to fp16 (mma.sync
+// m16n8k16), keys to fp16 or, with KEY_S8, to int8 (mma.sync m16n8k32 s8, scales after the MMA).
 //
 // Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv query heads per kv head (<= 8),
 // D head dim (64 | 128), P page size (tokens, multiple of 32), S splits per sequence,
