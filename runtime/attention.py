@@ -293,7 +293,7 @@ class Fp2DecodeAttention:
                 f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"
             )
         kf = lv[:4] * (64 if float(lv[:4].abs().max()) < 2 else 32)  # the kernel's int8 key table
-        if self.key_s8 and not bool(((kf == kf.round()) & (kf.abs() <= 127)).all()):
+        if self.on_gpu and self.key_s8 and not bool(((kf == kf.round()) & (kf.abs() <= 127)).all()):
             raise KVInputError(
                 f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
                 f"{lv[:4].tolist()}; build the attention with key_s8=False"

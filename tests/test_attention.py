@@ -51,6 +51,8 @@ def test_int8_key_variant_compiles_for_sm90(cfg: Fp2KernelConfig) -> None:
 def test_int8_keys_need_64_channel_blocks() -> None:
     with pytest.raises(ConfigError, match="key_s8"):
         _module("cpu", k_block=32, key_s8=True)
+    # the default takes int8 keys wherever the blocks allow them, the fp16-key path elsewhere
+    assert _module("cpu", k_block=64).key_s8 and not _module("cpu", k_block=32).key_s8
 
 
 def _module(
