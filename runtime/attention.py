@@ -137,6 +137,15 @@ def _expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device
     expect_tensor(t, name, dtype, shape, device, owner="the attention module")
 
 
+def int8_key_levels(levels: torch.Tensor) -> bool:
+    """Whether four key levels (any device) are what the int8-key kernel's table holds exactly: the
+    levels times 64 (32 if one reaches 2) integers within +-127. True for every e5m2-exact codebook
+    whose inner levels are at least 1/16 of 1 (the named ones, and calibrated ones in practice)."""
+    lv = levels.detach().float().cpu()
+    kf = lv * (64 if float(lv.abs().max()) < 2 else 32)
+    return bool(((kf == kf.round()) & (kf.abs() <= 127)).all())
+
+
 class Fp2DecodeAttention:
     """Decode attention (one query token per sequence) over FP2 pages plus bf16 sinks/tail.
 
@@ -292,8 +301,7 @@ class Fp2DecodeAttention:
             raise KVInputError(
                 f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"
             )
-        kf = lv[:4] * (64 if float(lv[:4].abs().max()) < 2 else 32)  # the kernel's int8 key table
-        if self.on_gpu and self.key_s8 and not bool(((kf == kf.round()) & (kf.abs() <= 127)).all()):
+        if self.on_gpu and self.key_s8 and not int8_key_levels(lv[:4]):
             raise KVInputError(
                 f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
                 f"{lv[:4].tolist()}; build the attention with key_s8=False"

@@ -48,6 +48,17 @@ def test_int8_key_variant_compiles_for_sm90(cfg: Fp2KernelConfig) -> None:
     assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
 
 
+def test_int8_key_levels() -> None:
+    from zerodram.runtime.attention import int8_key_levels
+    from zerodram.runtime.kv.levels import named_levels
+
+    for name in ("sig", "lm"):
+        assert int8_key_levels(named_levels(name))
+    assert int8_key_levels(torch.tensor([-2.0, -0.125, 0.125, 2.0]))  # a level at 2: the table takes 32x
+    assert not int8_key_levels(torch.tensor([-1.5, -1 / 128, 1 / 128, 1.5]))  # 1/128 is off the 1/64 grid
+    assert not int8_key_levels(torch.tensor([-2.0, -1 / 64, 1 / 64, 2.0]))  # and 1/64 off the 1/32 one
+
+
 def test_int8_keys_need_64_channel_blocks() -> None:
     with pytest.raises(ConfigError, match="key_s8"):
         _module("cpu", k_block=32, key_s8=True)
