@@ -189,6 +189,7 @@ class LayerBench:
         """Time `path` at batch B, context L; returns the JSON row."""
         import torch
 
+        from zerodram.kernels.experts import DEFAULT_CONFIG
         from zerodram.runtime.moe.experts import choose_experts_path
 
         gen = torch.Generator(device=self.dev).manual_seed(1000 * B + L)
@@ -222,6 +223,9 @@ class LayerBench:
         med = {s: statistics.median(v) for s, v in samples.items()}
         graph_ms = self._graph_total(path, x, positions, kv, comm, iters) if path == "fp2-fused" else None
         floors = self._floors(path, B, L, topk_idx)
+        # which attention kernel variant ran (fp2 path: kv = (Fp2DecodeAttention, ...))
+        keys = ("int8" if kv[0].key_s8 else "fp16") if path == "fp2-fused" and kv[0].on_gpu else None
+        experts_path = choose_experts_path(h2, self.shard, out.topk_idx.numel())
         del kv
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -244,7 +248,9 @@ class LayerBench:
             "kv_bytes": floors["kv_bytes"],
             "weight_bytes": floors["weight_bytes"],
             "experts_touched": floors["experts_touched"],
-            "experts_path": choose_experts_path(h2, self.shard, out.topk_idx.numel()),
+            "experts_path": experts_path,
+            "experts_kernel_shape": str(DEFAULT_CONFIG) if experts_path == "kernel" else None,
+            "attention_keys": keys,
             "hbm_bytes_per_s": round(self.copy_bw),
             "device": self.device_name,
             "iters": iters,
