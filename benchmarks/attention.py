@@ -68,7 +68,7 @@ def _case(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
             device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=None if key_s8 is None else bool(key_s8),
         )  # fmt: skip
-        name = f"{warps}x{stages}x{min_blocks}" + ("xs8" if att.key_s8 else "xf16")  # the keys that ran
+        name = f"{warps}x{stages}x{min_blocks}" + ("-int8keys" if att.key_s8 else "-fp16keys")  # what ran
         ms = median_ms(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
         row[f"fp2_ms_{name}"] = ms
         if "fp2_ms" not in row or ms < row["fp2_ms"]:

@@ -249,7 +249,7 @@ class LayerBench:
             "weight_bytes": floors["weight_bytes"],
             "experts_touched": floors["experts_touched"],
             "experts_path": experts_path,
-            "experts_kernel_shape": str(DEFAULT_CONFIG) if experts_path == "kernel" else None,
+            "experts_kernel_config": str(DEFAULT_CONFIG) if experts_path == "kernel" else None,
             "attention_keys": keys,
             "hbm_bytes_per_s": round(self.copy_bw),
             "device": self.device_name,

@@ -35,7 +35,7 @@ class Fp2KernelConfig:
     num_warps: int = 4
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
-    key_s8: bool = False  # keys through int8 MMAs, scales on the scores (k_block >= 64)
+    key_s8: bool = False  # keys through int8 MMAs (k_block >= 64); Fp2DecodeAttention picks it by default
 
     def defines(self) -> dict[str, int]:
         return {

@@ -139,8 +139,9 @@ def _expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device
 
 def int8_key_levels(levels: torch.Tensor) -> bool:
     """Whether four key levels (any device) are what the int8-key kernel's table holds exactly: the
-    levels times 64 (32 if one reaches 2) integers within +-127. True for every e5m2-exact codebook
-    whose inner levels are at least 1/16 of 1 (the named ones, and calibrated ones in practice)."""
+    levels times f integers within +-127, f = 64 if every |L| < 2 (so levels on a 1/64 grid) else 32
+    (a 1/32 grid, |L| < 4). For e5m2-exact levels that means inner levels >= 1/16 (>= 1/8 when a
+    level reaches 2): the named codebooks, and calibrated ones in practice."""
     lv = levels.detach().float().cpu()
     kf = lv * (64 if float(lv.abs().max()) < 2 else 32)
     return bool(((kf == kf.round()) & (kf.abs() <= 127)).all())

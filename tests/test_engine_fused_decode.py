@@ -107,6 +107,18 @@ def test_formats_the_kernels_cannot_read_keep_the_gather_path(spec: str, caplog)
         assert "gather + SDPA" in caplog.text
 
 
+def test_key_codebooks_off_the_int8_grid_take_the_fp16_key_kernel() -> None:
+    """Int8 keys (the kernels' default) hold the key levels times 64 exactly; a calibrated codebook
+    with an inner level off that grid sends every layer to the fp16-key kernel, decided at
+    construction."""
+    kv = RuntimeKVPartition("fp2", 2, 2, 64, 4, 32, torch.float32, torch.device("cpu"))
+    assert make_decode_attention(kv, num_q_heads=4, scale=0.125, max_batch=4).attn.key_s8
+    kp, vp = kv.caches[1].params
+    odd = torch.tensor([-1.5, -1 / 128, 1 / 128, 1.5], dtype=kp.levels.dtype)  # e5m2-exact, not int8 x 1/64
+    kv.caches[1].params = (dataclasses.replace(kp, levels=odd), vp)
+    assert not make_decode_attention(kv, num_q_heads=4, scale=0.125, max_batch=4).attn.key_s8
+
+
 def _tiny_engine(kv: str, fused: bool, max_num_seqs: int = 4) -> Engine:
     model = Transformer(TINY64, random_weights(TINY64, None, 0, seed=3, dtype=torch.float32))
     cfg = EngineConfig(

@@ -93,7 +93,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, shard: ExpertSh
     ("D", "F", "counts"),
     [
         (256, 512, [0, 1, 7, 8, 9, 0, 31, 32, 33, 70, 0]),  # empty experts, group and pass edges
-        (576, 1536, [3, 0, 17]),  # SmolLM2's dims: K % 128 != 0 takes the remainder loop
+        (576, 1536, [3, 0, 17]),  # SmolLM2's dims: K % 256 != 0 takes the remainder loop (unroll 8)
         (1024, 2048, [1]),
         (608, 544, [5, 0, 9]),  # R % (16 * row tiles) != 0 (spare row tiles), K / 32 odd (uneven K split)
         (8192, 16384, [2, 5]),  # seed-700b's expert shape, 1.6 GB of weights

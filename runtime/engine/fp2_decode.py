@@ -89,7 +89,16 @@ class Fp2FusedDecode:
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
-        self._attn_args = dict(
+        # Int8 keys (the kernels' default where key blocks allow) only if every layer's key codebook
+        # is exact in their int8 table (`int8_key_levels`); one calibrated codebook that is not takes
+        # every layer to the fp16-key kernel, never a rounded key. Decided once, here: the caches
+        # hold their final (calibrated) levels before the engine builds this path.
+        inexact = [i for i, c in enumerate(kv.caches) if not int8_key_levels(layer_from_cache(c).levels[:4])]
+        if inexact and self.device.type == "cuda":
+            log.warning(
+                "key levels of layers %s are not int8-exact: decode attention uses fp16 keys", inexact
+            )
+        self.attn = Fp2DecodeAttention(
             num_q_heads=num_q_heads,
             num_kv_heads=c0.num_kv_heads,
             head_dim=c0.head_dim,
@@ -101,8 +110,8 @@ class Fp2FusedDecode:
             max_fp2_tokens=c0.num_pages * c0.page_size,
             device=self.device,
             softmax_scale=scale,
+            key_s8=False if inexact else None,
         )
-        self.attn = Fp2DecodeAttention(**self._attn_args)
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,
         # so a step copies only the new ones. _mirror_of[slot] is the page list the row mirrors: the
@@ -123,20 +132,9 @@ class Fp2FusedDecode:
             return c
         kp, vp = cache.params
         G = self.group
-        layer = layer_from_cache(cache)
-        if self.attn.key_s8 and not int8_key_levels(layer.levels[:4]):
-            # A calibrated codebook the int8 key table cannot hold exactly (an inner level below
-            # 1/16 of the outer): every layer takes the fp16-key kernel instead, never a rounded key.
-            # Attention is not inside the step's CUDA graphs, so swapping the module here is safe.
-            log.warning(
-                "layer %d's key levels %s are not int8-exact: decode attention uses fp16 keys",
-                layer_idx,
-                layer.levels[:4].tolist(),
-            )
-            self.attn = Fp2DecodeAttention(**self._attn_args, key_s8=False)
         c = _LayerConsts(
             params=cache.params,
-            layer=layer,
+            layer=layer_from_cache(cache),
             q_anchor=kp.anchor.float().repeat_interleave(G, dim=0),  # [Hq, Dh]
             v_anchor=vp.anchor.float().repeat_interleave(G, dim=0),
         )
