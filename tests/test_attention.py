@@ -274,6 +274,31 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_levels", ["sig", "wide"])
+def test_gpu_int8_keys_other_codebooks(key_levels: str) -> None:
+    """Int8 keys with the signature lattice (table x 64) and a codebook reaching 2 (table x 32), both
+    e5m2-exact, against the reference on the same pages."""
+    from zerodram.runtime.kv.levels import named_levels
+
+    D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
+    lengths = [3000, 700, 33]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(11)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    kl = named_levels("sig") if key_levels == "sig" else torch.tensor([-2.0, -0.25, 0.25, 2.0])
+    layer.levels[:4] = kl.float().to(dev)
+    batch = random_decode_batch(lengths, [4, 0, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096)
+    assert att.key_s8
+    att.check_tables(layer, batch)
+    q = torch.randn(3, G * Hkv, D, device=dev, generator=gdev)
+    out = att(q, layer, batch, max_len=max(lengths)).clone()
+    ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
+    for b in range(3):
+        assert _rel(out[b], ref[b]) < 3e-3, (b, _rel(out[b], ref[b]))
+
+
+@pytest.mark.gpu
 def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
     """A grid sized for max_len cannot cover a longer sequence: that sequence's output must be NaN
     (loud), the others exact."""
