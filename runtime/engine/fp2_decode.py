@@ -132,9 +132,17 @@ class Fp2FusedDecode:
             return c
         kp, vp = cache.params
         G = self.group
+        layer = layer_from_cache(cache)
+        if self.attn.on_gpu and self.attn.key_s8 and not int8_key_levels(layer.levels[:4]):
+            # The key path was chosen at construction from the levels then; params replaced since
+            # with a codebook off the int8 grid would be rounded silently by the kernel's table.
+            raise ConfigError(
+                f"layer {layer_idx}'s key levels {layer.levels[:4].tolist()} are not int8-exact, but the "
+                "decode path chose int8 keys when it was built: build it after the final (calibrated) levels"
+            )
         c = _LayerConsts(
             params=cache.params,
-            layer=layer_from_cache(cache),
+            layer=layer,
             q_anchor=kp.anchor.float().repeat_interleave(G, dim=0),  # [Hq, Dh]
             v_anchor=vp.anchor.float().repeat_interleave(G, dim=0),
         )
