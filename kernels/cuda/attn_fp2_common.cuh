@@ -55,13 +55,6 @@ ZD_DEVICE uint32_t s8_byte(float x) {
   return uint32_t(d) & 0xFFu;
 }
 
-// Byte b of x (an e4m3 value) as fp32 (exact).
-ZD_DEVICE float e4m3_to_float(uint32_t byte) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<uint16_t>(byte & 0xFFu)));
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)));
-}
-
 // Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane: row lane/4, columns
 // 2*(lane%4) and +1): afterwards the lane holds row lane/4 of the transpose.
 ZD_DEVICE uint32_t movmatrix_trans(uint32_t x) {
@@ -130,7 +123,7 @@ ZD_DEVICE uint32_t scales_to_half2(uint32_t pair) {
 template <int FMT>
 ZD_DEVICE float scale_to_float(uint32_t byte) {
   if constexpr (FMT == kScaleE4M3) {
-    return e4m3_to_float(byte);
+    return __low2float(u32_as_h2(scales_to_half2<kScaleE4M3>(byte & 0xFFu)));  // exact in fp16
   } else {
     return byte ? __uint_as_float(byte << 23) : __uint_as_float(0x00400000u);  // 2^-127 is subnormal
   }
