@@ -98,7 +98,10 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"node {plan.node_rank}: {shlex.join(argv)}", file=sys.stderr)
     if args.dry_run:
         return 0
-    env = dict(os.environ, ZERODRAM_TOPOLOGY=plan.topology_path)
+    # PYTHONSAFEPATH: `python -m` would put the working directory first on every worker's
+    # sys.path; run from a source checkout, our `kernels/` folder would then shadow the PyPI
+    # `kernels` package that transformers imports. zerodram comes from its install, not the cwd.
+    env = dict(os.environ, ZERODRAM_TOPOLOGY=plan.topology_path, PYTHONSAFEPATH="1")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, env)

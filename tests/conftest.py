@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# Hazard: `python -m pytest` puts the working directory on sys.path, and from the repo root that
+# exposes our `kernels/` folder as a top-level `kernels` package. It then shadows the PyPI package
+# of that name, which transformers (>= 5.25) imports. zerodram itself comes from the editable
+# install (`zerodram.kernels`), so the repo root is never needed on the path: drop it. Spawned
+# ranks inherit this sys.path.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT]
 
 
 def _has_cuda() -> bool:

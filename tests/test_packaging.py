@@ -63,3 +63,15 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--version"])
     assert "zerodram" in capsys.readouterr().out
+
+
+def test_our_folders_never_shadow_top_level_packages() -> None:
+    """`kernels/` is `zerodram.kernels`; a bare `import kernels` must never find our folder (the
+    PyPI `kernels` package, which transformers imports, would be shadowed). conftest drops the repo
+    root that `python -m pytest` adds; `zerodram launch` sets PYTHONSAFEPATH for its workers."""
+    import importlib.util
+
+    for folder in MAPPED:
+        spec = importlib.util.find_spec(folder)
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        assert origin is None or ROOT / folder not in origin.parents, (folder, origin)
