@@ -299,6 +299,27 @@ def test_gpu_int8_keys_other_codebooks(key_levels: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_s8", [False, True])
+def test_gpu_query_heads_of_very_different_size(key_s8: bool) -> None:
+    """The query heads of one group differ by up to 2^12 in size: every head, not only the group's
+    largest, must keep its precision (the int8 keys scale each head's query on its own)."""
+    D, G, Hkv, P, dev = 128, 8, 2, 64, "cuda"
+    lengths = [2000, 300]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(13)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, key_s8=key_s8)
+    size = torch.exp2(-torch.arange(G, device=dev, dtype=torch.float32) * 12 / (G - 1)).repeat(Hkv)  # [Hq]
+    q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev) * 4 * size[None, :, None]
+    out = att(q, layer, batch, max_len=max(lengths)).clone()
+    ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
+    for b in range(2):
+        for h in range(G * Hkv):
+            assert _rel(out[b, h], ref[b, h]) < 3e-3, (b, h, _rel(out[b, h], ref[b, h]))
+
+
+@pytest.mark.gpu
 def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
     """A grid sized for max_len cannot cover a longer sequence: that sequence's output must be NaN
     (loud), the others exact."""

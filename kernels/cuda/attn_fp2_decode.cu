@@ -104,7 +104,7 @@ ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16)
 #if KEY_S8
 // Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
-// m16n8k32 int8 x int8 -> int32. The query is scaled by a power of two c (largest |q c| in [32, 64))
+// m16n8k32 int8 x int8 -> int32. Each head's query is scaled by a power of two c (largest |q c| in [32, 64))
 // and split into two int8 terms, q c ~ hi + lo / 128, so q c * 128 is an integer of up to 13 bits
 // (fp16 q has 11): two IMMAs per k32 step, combined in int32 (hi * 128 + lo), converted once, and
 // multiplied by the block's key scale / (c * f * 128).
@@ -115,7 +115,7 @@ constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k3
 struct KeyOps {
   uint32_t qf[KS8][2][2];  // [k32 step][hi, lo][b0, b1]
   uint32_t table;          // f L0..L3 as int8, bytes 0..3
-  float inv;               // 1 / (c * f * 128)
+  float inv[2];            // 1 / (c_h * f * 128) for this lane's score columns, heads 2t, 2t+1
 };
 ZD_DEVICE int k8_channel(int ks, int kk) {
   const int t = (kk & 15) >> 2, e = kk & 3, hi = kk >> 4;
@@ -176,12 +176,13 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       const uint8_t* sb = st->ks + (16 * i + 8 * r + tok_of_pos8(g)) * NBK;
 #pragma unroll
       for (int b = 0; b < NBK; ++b) {
-        const float sc = scale_to_float<SCALE_FMT>(sb[b]) * key.inv;
+        const float sc = scale_to_float<SCALE_FMT>(sb[b]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           // |hi * 128 + lo| < 2^27: exact in int32, rounded once to fp32 (2^-24 relative)
           const float v = float(hi[b][2 * r + h] * 128 + lo[b][2 * r + h]);
-          sacc[i][2 * r + h] = b ? fmaf(v, sc, sacc[i][2 * r + h]) : v * sc;
+          const float sch = sc * key.inv[h];
+          sacc[i][2 * r + h] = b ? fmaf(v, sch, sacc[i][2 * r + h]) : v * sch;
         }
       }
     }
@@ -382,13 +383,17 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           mx = fmaxf(mx, fabsf(x[ks][hl][e]));
         }
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    // one scale per head (lanes 4g..4g+3 hold head g's channels): a head much smaller than the
+    // group's largest keeps its own 13 bits
+    for (int off = 1; off < 4; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     // c = 2^(5 - floor(log2 mx)); q arrives as fp16, so mx is 0 or a normal fp32 in [2^-24, 65504]
     const int ex = mx > 0.f ? int((__float_as_uint(mx) >> 23) & 0xFFu) - 127 : 0;
     const float c = __uint_as_float(uint32_t(127 + 5 - ex) << 23);
     const bool wide = fmaxf(fabsf(levels[0]), fabsf(levels[3])) >= 2.f;  // f = 32 instead of 64
     const float f = wide ? 32.f : 64.f;
-    key.inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c * f * 128)
+    const float inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c f 128)
+    key.inv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);      // head 2t's lanes: 4 * (2t)
+    key.inv[1] = __shfl_sync(0xffffffffu, inv, 8 * t + 4);  // head 2t + 1
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
