@@ -361,7 +361,15 @@ def test_gpu_decode_under_cuda_graph() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("rule", "scale", "block"), [("absmax", "e4m3", 64), ("mse", "e4m3", 64), ("mse", "e8m0", 32)]
+    ("rule", "scale", "block"),
+    # 16: half the lanes hold no channel; 128: four channels per lane
+    [
+        ("absmax", "e4m3", 64),
+        ("mse", "e4m3", 64),
+        ("mse", "e8m0", 32),
+        ("mse", "e4m3", 16),
+        ("mse", "e4m3", 128),
+    ],
 )
 def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int) -> None:
     D, Hkv, P, N, dev = 128, 4, 64, 512, "cuda"
@@ -395,10 +403,10 @@ def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int) -> N
     Fp2Writer(device="cpu", **kw).write(y.cpu(), s.cpu(), f.cpu(), cpu, batch.block_table.cpu())
     for gpu_t, cpu_t in ((layer.k_scales, cpu.k_scales), (layer.v_scales, cpu.v_scales)):
         agree = float((gpu_t.cpu() == cpu_t).float().mean())
-        assert agree == 1.0 if rule == "absmax" else agree > 0.995, agree
+        assert agree == 1.0 if rule == "absmax" else agree >= 0.999, agree
     for gpu_t, cpu_t in ((layer.k_codes, cpu.k_codes), (layer.v_codes, cpu.v_codes)):
         agree = float((gpu_t.cpu() == cpu_t).float().mean())
-        assert agree == 1.0 if rule == "absmax" else agree > 0.99, agree
+        assert agree == 1.0 if rule == "absmax" else agree >= 0.999, agree
 
 
 def _kv_cache_case(device: str, lengths: list[int], D: int = 128, Hkv: int = 2, G: int = 4):

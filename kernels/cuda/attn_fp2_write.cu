@@ -5,12 +5,16 @@
 // Shape legend: N tokens to write, Hkv kv heads, D head dim, BS channels per scale block,
 // NB = D / BS blocks per token, C = 33 candidate scales of the MSE search, P page size.
 //
-// grid (N, Hkv, 2 sides: K then V), NB warps. Scale rule (per side): absmax: s = round(absmax /
-// max|L|); mse: the candidate round(absmax / max|L| * frac_c) of least squared error, first on
-// ties. Rounding is the reference's (E4M3 round-to-nearest-even clamped into [2^-9, 448]; E8M0
-// nearest power of two in log2, ties up), fp32 division and product as torch computes them on the
-// CPU. The only order-dependent step is the error sum (sequential here): two candidates whose
-// errors tie within rounding may be chosen differently (docs/fp2-kernel.md, "Write path").
+// grid (N, Hkv, 2 sides: K then V), NB warps; lane l holds channels l, l + 32, ... of its warp's
+// block in registers. Scale rule (per side): absmax: s = round(absmax / max|L|); mse: the
+// candidate s_c = round(absmax / max|L| * frac_c) of least squared error, first on ties. The search
+// places codes as the CPU search does, y >= s_c * m_i (products, not divisions), so the two agree
+// wherever the errors are not equal within rounding. Each candidate's error is a warp sum (an xor
+// butterfly: every lane ends with bitwise the same sum, so every lane picks the same winner), and
+// the 33 candidates are independent, so a decode write of a few tokens is a short latency chain
+// instead of one lane walking 2 x 64 divisions. Rounding is the reference's (E4M3
+// round-to-nearest-even clamped into [2^-9, 448]; E8M0 nearest power of two in log2, ties up);
+// the final codes divide, y / s >= m_i, as `nearest_code` does (docs/fp2-kernel.md, "Write path").
 #include "attn_fp2_common.cuh"
 
 #ifndef HEAD_DIM
@@ -34,6 +38,8 @@ constexpr int D = HEAD_DIM;
 constexpr int MAX_BS = K_BLOCK > V_BLOCK ? K_BLOCK : V_BLOCK;
 constexpr int MAX_NB = D / (K_BLOCK < V_BLOCK ? K_BLOCK : V_BLOCK);
 static_assert(K_BLOCK % 16 == 0 && V_BLOCK % 16 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
+constexpr int PER_LANE = (MAX_BS + 31) / 32;  // channels of a block each lane holds
+constexpr unsigned kFull = 0xffffffffu;
 static_assert(NUM_CAND <= 64, "two candidates per lane at most");
 
 __device__ float round_scale(float s) {
@@ -77,7 +83,6 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
                    long long code_head_stride, long long ks_page_stride, long long ks_head_stride,
                    long long vs_page_stride, long long vs_head_stride, const float* __restrict__ levels,
                    const float* __restrict__ fracs, int rules) {
-  __shared__ float ys[MAX_NB][MAX_BS];
   __shared__ uint8_t cs[MAX_NB][MAX_BS];
   const int n = blockIdx.x, kvh = blockIdx.y, side = blockIdx.z;
   const int num_kv_heads = gridDim.y;
@@ -90,49 +95,55 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
   const bool mse = (rules >> side) & 1;
 
+  // yv[i] = channel lane + 32 i of the block; channels past bs (bs < 32 i + 32) hold 0 and are
+  // masked out of the errors below.
   const float* src = y + ((size_t(n) * num_kv_heads + kvh) * 2 + side) * D + warp * bs;
+  float yv[PER_LANE];
   float amax = 0.f;
-  for (int c = lane; c < bs; c += 32) {
-    const float v = src[c];
-    ys[warp][c] = v;
-    amax = fmaxf(amax, fabsf(v));
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = lane + 32 * i;
+    yv[i] = c < bs ? src[c] : 0.f;
+    amax = fmaxf(amax, fabsf(yv[i]));
   }
 #pragma unroll
-  for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  __syncwarp();
+  for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
   const float s0 = __fdiv_rn(amax, lmax);
 
   float scale;
   if (!mse) {
     scale = round_scale(s0);
   } else {
-    // Lane c evaluates candidates c and c + 32; sums run in channel order.
+    // Lane l rounds candidates l and l + 32 once; the loop takes candidate c from lane c % 32.
+    const float cand_lo = lane < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane])) : 0.f;
+    const float cand_hi = lane + 32 < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
     float best_err = __int_as_float(0x7f800000);
-    int best_c = 0x7fffffff;
-    float best_s = 0.f;
-    for (int c = lane; c < NUM_CAND; c += 32) {
-      const float cand = round_scale(s0 * fracs[c]);
-      float err = 0.f;
-      for (int i = 0; i < bs; ++i) {
-        const float v = ys[warp][i];
-        const int code = nearest_code(__fdiv_rn(v, cand), m0, m1, m2);
-        const float lvl = code == 0 ? l0 : code == 1 ? l1 : code == 2 ? l2 : l3;
-        const float d = __fsub_rn(v, __fmul_rn(lvl, cand));  // no FMA: torch rounds the product
-        err = __fadd_rn(err, __fmul_rn(d, d));
-      }
-      if (err < best_err) best_err = err, best_c = c, best_s = cand;
-    }
+    scale = 0.f;
 #pragma unroll
-    for (int off = 16; off; off >>= 1) {
-      const float oe = __shfl_xor_sync(0xffffffffu, best_err, off);
-      const int oc = __shfl_xor_sync(0xffffffffu, best_c, off);
-      const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
-      if (oe < best_err || (oe == best_err && oc < best_c)) best_err = oe, best_c = oc, best_s = os;
+    for (int c = 0; c < NUM_CAND; ++c) {
+      const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);
+      const float t0 = __fmul_rn(cand, m0), t1 = __fmul_rn(cand, m1), t2 = __fmul_rn(cand, m2);
+      const float q0 = __fmul_rn(l0, cand), q1 = __fmul_rn(l1, cand);
+      const float q2 = __fmul_rn(l2, cand), q3 = __fmul_rn(l3, cand);
+      float err = 0.f;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        const float v = yv[i];
+        const float q = v >= t1 ? (v >= t2 ? q3 : q2) : (v >= t0 ? q1 : q0);
+        const float d = lane + 32 * i < bs ? __fsub_rn(v, q) : 0.f;
+        err = __fmaf_rn(d, d, err);
+      }
+#pragma unroll
+      for (int off = 16; off; off >>= 1) err = __fadd_rn(err, __shfl_xor_sync(kFull, err, off));
+      if (err < best_err) best_err = err, scale = cand;
     }
-    scale = best_s;
   }
 
-  for (int c = lane; c < bs; c += 32) cs[warp][c] = uint8_t(nearest_code(__fdiv_rn(ys[warp][c], scale), m0, m1, m2));
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = lane + 32 * i;
+    if (c < bs) cs[warp][c] = uint8_t(nearest_code(__fdiv_rn(yv[i], scale), m0, m1, m2));
+  }
   __syncwarp();
 
   const int b = seq_idx[n], f = fp2_idx[n];
