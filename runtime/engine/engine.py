@@ -242,6 +242,9 @@ class Engine:
                 [self._generators[r.request_id] for r in sampled],
             )
         for req, tok in zip(sampled, tokens, strict=True):
+            if tok is None:  # its logits held NaN/Inf: no token to draw, the others go on
+                events.append(self._fail(req, f"non-finite logits at output token {len(req.output_ids)}"))
+                continue
             req.output_ids.append(tok)
             reason = None
             if (tok in self.eos_ids and not req.params.ignore_eos) or tok in req.params.stop_token_ids:
@@ -262,7 +265,7 @@ class Engine:
                     len(self.scheduler.waiting),
                     self.kv.num_pages - self.kv.num_free_pages(),
                     self.kv.num_pages,
-                    len(tokens),
+                    sum(t is not None for t in tokens),
                     *self.kv.stored_bytes(),
                     time.perf_counter() - t0,
                 )
@@ -278,12 +281,16 @@ class Engine:
             req = next((r for r in self.scheduler.running if r.request_id == rid), None)
             if req is None:  # already gone (cannot happen within a step; nothing to end)
                 continue
-            self.scheduler.finish(req, "error")
-            self._generators.pop(rid, None)
-            events.append(TokenEvent(rid, None, "error", error=f"request stopped: {message}", rank=self.rank))
-            if self.on_error is not None:  # the dashboard's error count and last messages
-                self.on_error(f"request {rid} stopped: {message}")
+            events.append(self._fail(req, message))
         return events
+
+    def _fail(self, req: Request, message: str) -> TokenEvent:
+        """End one request with an error (its pages freed); the rest of the batch goes on."""
+        self.scheduler.finish(req, "error")
+        self._generators.pop(req.request_id, None)
+        if self.on_error is not None:  # the dashboard's error count and last messages
+            self.on_error(f"request {req.request_id} stopped: {message}")
+        return TokenEvent(req.request_id, None, "error", error=f"request stopped: {message}", rank=self.rank)
 
     # --- the Python API ------------------------------------------------------------------------
 
