@@ -3,8 +3,10 @@
 Architectures: `llama` (dense Llama/SmolLM, and MoE llama-arch files such as Mixtral's, whose
 experts are stacked `ffn_*_exps` tensors). Tensors are exposed under Hugging Face names so the one
 weight builder (`weights.py`) serves both formats; llama.cpp's interleaved q/k row order for RoPE
-is undone on read. Stacked experts are sliced on the quantized bytes before dequantizing, so a rank
-dequantizes only its own experts.
+is undone on read. A read of one expert of a stacked tensor slices the quantized bytes before
+dequantizing. The engine does not read GGUF per rank: `convert_gguf` dequantizes the whole file
+once per node into a cached safetensors dir (`jobs.convert_once_per_node`: local rank 0 converts,
+the others wait), from which each rank memory-maps only its own experts.
 
 Tokenizer: GGUF `gpt2` (byte-level BPE) vocabularies are rebuilt as a `tokenizers` BPE with the
 same pre-tokenizer and decoder transformers builds for them.
