@@ -1,6 +1,6 @@
 """Greedy parity with Hugging Face transformers, one process, fp32 and BF16 KV pages: tiny random
 Mixtral, Qwen2-MoE (with a gated shared expert) and Qwen3-MoE (q/k norms, head dim 16 != hidden /
-heads) checkpoints written in the test, and the
+heads, YaRN RoPE) checkpoints written in the test, and the
 packaged SmolLM2 served as experts (dense-as-MoE).
 
 The multi-rank versions (2 and 4 ranks) are in test_engine_multirank.py and reuse these helpers.
@@ -43,9 +43,15 @@ def make_tiny_checkpoint(kind: str, path: Path) -> Path:
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **TINY)
         model = transformers.MixtralForCausalLM(cfg)
-    elif kind == "qwen3_moe":  # q/k RMSNorm, an explicit head dim, renormalised top-k, no shared expert
+    elif kind == "qwen3_moe":  # q/k RMSNorm, an explicit head dim, renormalised top-k, YaRN RoPE
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
         cfg = transformers.Qwen3MoeConfig(
-            num_experts=4, moe_intermediate_size=16, norm_topk_prob=True, head_dim=16, **TINY
+            num_experts=4,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            head_dim=16,
+            rope_parameters=yarn,
+            **TINY,
         )
         model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
