@@ -65,7 +65,7 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
     if len(params) > 2:  # one sampled answer among the greedy ones
         params[2] = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=7)
     t1 = time.perf_counter()
-    with observe(ctx, engine, args):
+    with engine, observe(ctx, engine, args):
         outs = engine.generate(prompts, params, chat=True)
     if ctx.rank == 0:
         secs = time.perf_counter() - t1

@@ -153,6 +153,22 @@ class Engine:
             self.graphs = DecodeGraphs(model, max_batch=self.config.scheduler.max_num_seqs, capture=True)
         self.on_error: Callable[[str], None] | None = None
 
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the model's expert-parallel resources (communicators, the NVSHMEM session).
+        Collective: every rank closes, after the same last step. Idempotent."""
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        # Only a clean exit closes: closing is collective, and after an exception another rank
+        # may never arrive (an NVSHMEM barrier has no timeout); process exit tears NVSHMEM down.
+        if exc_type is None:
+            self.close()
+
     # --- observation ---------------------------------------------------------------------------
 
     def attach_observer(
