@@ -260,6 +260,11 @@ class ExpertParallelWorld:
     the layers' communicators in layer order, then the session; it is collective (every rank
     closes) and idempotent.
 
+    Hazard: NVSHMEM's init, symmetric allocation and barrier_all wait for every PE without a
+    timeout. So each of those steps is preceded by the context's bounded host barrier, which
+    names the step: a rank that failed earlier (a bad checkpoint, out of memory) turns into a
+    `RankTimeoutError` on the others instead of a hang.
+
     Args:
         ctx: the rank context (None: one process, all experts local).
         timer: the model's phase timer.
@@ -297,9 +302,17 @@ class ExpertParallelWorld:
 
             placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
             layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
+            self._rendezvous("NVSHMEM init")
             self.session = NvshmemSession.create(ctx, heap_bytes=heap_bytes(layout, num_moe_layers))
 
+    def _rendezvous(self, what: str) -> None:
+        """The context's bounded barrier before an NVSHMEM collective (see the class hazard)."""
+        barrier = getattr(self.ctx, "barrier", None)
+        if self.backend == "nvshmem" and barrier is not None:
+            barrier(what)
+
     def __call__(self, layer_idx: int, experts: ExpertWeights) -> ExpertParallel:
+        self._rendezvous(f"EP buffers of MoE layer {layer_idx}")
         ep = make_expert_parallel(
             experts,
             self.world_size,
@@ -316,6 +329,8 @@ class ExpertParallelWorld:
         return ep
 
     def close(self) -> None:
+        if self.built:
+            self._rendezvous("closing the EP layers")
         for ep in self.built:
             close = getattr(ep, "close", None)
             if close is not None:
