@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,77 @@ def test_packaged_tokenizer_matches_transformers_ids() -> None:
     text = "Hello world!  The  quick\n\nbrown fox 2024 ... don't 🎉"
     assert tok.decode(tok.encode(text)) == text
     assert tok.eos_token_ids == (2,)
+
+
+def _write_mixtral_gguf(ckpt: Path, path: Path) -> None:
+    """The tiny Mixtral checkpoint as llama.cpp lays a Mixtral GGUF out: llama architecture, q/k
+    rows permuted for its RoPE, experts stacked per layer (`ffn_*_exps`), F32 tensors, a gpt2
+    vocabulary of placeholder tokens (the test feeds token ids)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    w = {k: v.float().numpy() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    H, Hkv, L, E = (
+        cfg[k]
+        for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "num_local_experts")
+    )
+
+    def permute(x, heads):  # llama.cpp's convert: rows (h, 2, pair) -> (h, pair, 2)
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    out = gguf.GGUFWriter(str(path), "llama")
+    out.add_block_count(L)
+    out.add_context_length(cfg["max_position_embeddings"])
+    out.add_embedding_length(cfg["hidden_size"])
+    out.add_feed_forward_length(cfg["intermediate_size"])
+    out.add_head_count(H)
+    out.add_head_count_kv(Hkv)
+    out.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    out.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    out.add_expert_count(E)
+    out.add_expert_used_count(cfg["num_experts_per_tok"])
+    out.add_tokenizer_model("gpt2")
+    out.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    out.add_token_types([1] * cfg["vocab_size"])
+    out.add_token_merges([])
+    out.add_bos_token_id(cfg["bos_token_id"])
+    out.add_eos_token_id(cfg["eos_token_id"])
+    out.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    out.add_tensor("output.weight", w["lm_head.weight"])
+    out.add_tensor("output_norm.weight", w["model.norm.weight"])
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out.add_tensor(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        out.add_tensor(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        out.add_tensor(b + "attn_q.weight", permute(w[p + "self_attn.q_proj.weight"], H))
+        out.add_tensor(b + "attn_k.weight", permute(w[p + "self_attn.k_proj.weight"], Hkv))
+        out.add_tensor(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        out.add_tensor(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        moe = p + "block_sparse_moe."
+        out.add_tensor(b + "ffn_gate_inp.weight", w[moe + "gate.weight"])
+        for ours, theirs in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            stacked = np.stack([w[f"{moe}experts.{e}.{theirs}.weight"] for e in range(E)])  # [E, out, in]
+            out.add_tensor(f"{b}{ours}.weight", stacked)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+
+
+def test_mixtral_gguf_with_stacked_experts_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mixtral-style GGUF (stacked experts, permuted q/k) served by the engine, as experts over
+    one process, gives transformers' greedy tokens for the same weights."""
+    pytest.importorskip("transformers")
+    from test_engine_parity import tiny_references
+    from test_engine_support import MAX_TOKENS, PROMPTS, engine_greedy
+
+    monkeypatch.setenv("ZERODRAM_CACHE_DIR", str(tmp_path / "cache"))
+    ckpts, want = tiny_references(tmp_path / "tiny")
+    gguf_path = tmp_path / "tiny-mixtral.gguf"
+    _write_mixtral_gguf(ckpts["mixtral"], gguf_path)
+    assert engine_greedy(str(gguf_path), None, PROMPTS, MAX_TOKENS) == want["mixtral"]

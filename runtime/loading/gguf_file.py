@@ -206,7 +206,10 @@ def gguf_tokenizer_json(reader: Any, path: Path) -> str:
     if kind != "gpt2":
         raise ConfigError(f"{path}: GGUF tokenizer model {kind!r} not supported (supported: gpt2)")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    if not tokens:
+        raise ConfigError(f"{path}: GGUF has no tokenizer.ggml.tokens (the vocabulary)")
+    # no merges: a vocabulary of whole tokens (writers omit an empty array)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
