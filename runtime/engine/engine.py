@@ -150,7 +150,12 @@ class Engine:
             if self.world_size > 1:
                 # every rank would have to capture (and warm up the EP collectives) in step
                 raise ConfigError(f"cuda_graphs serve one rank for now, this job has {self.world_size}")
-            self.graphs = DecodeGraphs(model, max_batch=self.config.scheduler.max_num_seqs, capture=True)
+            # The whole step in one graph where the KV writes and the attention have a fixed
+            # shape (FP2 through the fused kernels, flushing one token at a time), else piecewise.
+            static = (self.kv, decode) if decode is not None and getattr(self.kv, "static_decode_ok", False) else None
+            self.graphs = DecodeGraphs(
+                model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
+            )
         self.on_error: Callable[[str], None] | None = None
 
     # --- lifetime ------------------------------------------------------------------------------
