@@ -276,7 +276,7 @@ class _Bench:
 
         from zerodram.launch.progress import progress_bar
         from zerodram.runtime.comm import EpLayout, ExpertPlacement
-        from zerodram.runtime.comm.nvshmem_comm import _heap_hint
+        from zerodram.runtime.comm.nvshmem_comm import heap_bytes
 
         ctx, g = self.ctx, self.grid
         dev = ctx.device
@@ -292,7 +292,7 @@ class _Bench:
             from zerodram.runtime.comm.nvshmem_session import NvshmemSession
 
             heap = max(
-                _heap_hint(EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, w))
+                heap_bytes(EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, t_max, w))
                 for E, D, K, w in configs
             )
             self._enter("NVSHMEM init", 300)

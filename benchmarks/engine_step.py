@@ -27,8 +27,9 @@ import torch
 from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
 from zerodram.runtime.engine.build import build_engine
 from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
+from zerodram.runtime.kv.format import DEFAULT_FP2
 
-FP2 = "fp2"  # the format the fused kernels read (bare fp2: no calibration needed)
+FP2 = "fp2"  # bare fp2: no calibration; flushes 32 tokens at a time, so its graphs are piecewise
 
 
 def _time_steps(engine, batch: int, context: int, warmup: int, steps: int, seed: int) -> list[float]:
@@ -64,10 +65,19 @@ def _time_steps(engine, batch: int, context: int, warmup: int, steps: int, seed:
     return times
 
 
+def _graph_mode(engine) -> str | None:
+    """"whole" (the step in one graph), "piecewise" (graphs between eager attention calls) or None."""
+    if engine.graphs is None:
+        return None
+    return "whole" if all(s.static_attn is not None for s in engine.graphs.steps.values()) else "piecewise"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--kv", default=f"{FP2},bf16", help="comma-separated KV formats")
+    p.add_argument(
+        "--kv", default=f"{FP2};{DEFAULT_FP2};bf16", help="semicolon-separated KV formats (the default calibrates)"
+    )
     p.add_argument("--batches", default="1,8,16")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32)
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_b, tokens = max(batches), args.context + args.warmup + args.steps + 2
     rows = []
-    for kv in args.kv.split(","):
+    for kv in args.kv.split(";"):
         for graphs in (False, True):
             config = EngineConfig(
                 kv_format=kv,
@@ -99,16 +109,17 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({
                     "bench": "engine_step", "model": args.model, "device": str(engine.device),
                     "dtype": dtype, "kv": kv, "fused_decode": isinstance(engine.attn.decode, Fp2FusedDecode),
-                    "cuda_graphs": engine.graphs is not None, "batch": b, "context": args.context,
+                    "cuda_graphs": engine.graphs is not None, "graph_mode": _graph_mode(engine),
+                    "batch": b, "context": args.context,
                     "steps": len(ms), "median_ms": round(med, 4),
                     "p90_ms": round(statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else med, 4),
                     "tok_s": round(b / med * 1e3, 1), "build_s": round(build_s, 2),
                 })  # fmt: skip
             del engine
-    print(f"{'kv':>6} {'graphs':>6} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
+    print(f"{'kv':>26} {'graphs':>9} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
     for r in rows:
         print(
-            f"{r['kv']:>6} {r['cuda_graphs']!s:>6} {r['batch']:>4} {r['median_ms']:>10.3f} "
+            f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {r['batch']:>4} {r['median_ms']:>10.3f} "
             f"{r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}"
         )
     if args.json:

@@ -49,7 +49,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     inner = p.add_subparsers(dest="bench", metavar="SUBCOMMAND")
     for name, (target, text) in SUBCOMMANDS.items():
-        module = _load(target)
+        try:
+            module = _load(target)
+        except ConfigError as err:  # an installed copy without benchmarks/: only this subcommand fails
+            q = inner.add_parser(name, help=text, description=text, add_help=True)
+            q.set_defaults(func=_missing(err))
+            continue
         q = inner.add_parser(name, help=text, description=(module.__doc__ or text).strip().splitlines()[0])
         module.add_arguments(q)
         q.set_defaults(func=module.run)
+
+
+def _missing(err: ConfigError):
+    def run(args: argparse.Namespace) -> int:
+        raise err
+
+    return run

@@ -51,15 +51,7 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # four ranks on two cores: OpenMP spinning would swamp them
     t0 = time.perf_counter()
-    if args.model == "smollm2":
-        from zerodram.runtime.loading.checkpoint import ModelSpec, checkpoint_dir
-
-        if ctx.rank == 0:
-            print("zerodram demo: preparing the packaged SmolLM2-135M-Instruct (converted once, cached)")
-            sys.stdout.flush()
-            checkpoint_dir(ModelSpec.parse("smollm2"))
-        ctx.barrier("packaged model converted")
-    engine = build_from_args(args, ctx)
+    engine = build_from_args(args, ctx)  # converts the packaged GGUF once per node first
     cfg = engine.model.config
     if ctx.rank == 0:
         print(
@@ -73,7 +65,7 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
     if len(params) > 2:  # one sampled answer among the greedy ones
         params[2] = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=7)
     t1 = time.perf_counter()
-    with observe(ctx, engine, args):
+    with engine, observe(ctx, engine, args):
         outs = engine.generate(prompts, params, chat=True)
     if ctx.rank == 0:
         secs = time.perf_counter() - t1

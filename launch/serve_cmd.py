@@ -31,22 +31,22 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
     args = p.parse_args(argv)
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # several ranks share few cores
-    engine = build_from_args(args, ctx)
-    if ctx.rank != 0:
-        with observe(ctx, engine, args):
-            serve_lines(engine, None, None)
-        return 0
-    fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
-    fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
-    console = Console(stderr=True) if fout is sys.stdout else None
-    try:
-        with observe(ctx, engine, args, console=console):
-            serve_lines(engine, fin, fout)
-    finally:
-        if fin is not sys.stdin:
-            fin.close()
-        if fout is not sys.stdout:
-            fout.close()
+    with build_from_args(args, ctx) as engine:
+        if ctx.rank != 0:
+            with observe(ctx, engine, args):
+                serve_lines(engine, None, None)
+            return 0
+        fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
+        fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
+        console = Console(stderr=True) if fout is sys.stdout else None
+        try:
+            with observe(ctx, engine, args, console=console):
+                serve_lines(engine, fin, fout)
+        finally:
+            if fin is not sys.stdin:
+                fin.close()
+            if fout is not sys.stdout:
+                fout.close()
     return 0
 
 

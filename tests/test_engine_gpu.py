@@ -112,9 +112,19 @@ def test_gpu_fused_fp2_decode_per_layer_on_random_caches() -> None:
         assert rel < 3e-3, f"layer {layer}: rel. error {rel:.2e}"
 
 
-@pytest.mark.parametrize(("model", "kv"), [("tiny", "bf16"), ("smollm2", "bf16"), ("smollm2", FP2_SPEC)])
+@pytest.mark.parametrize(
+    ("model", "kv"),
+    [
+        ("tiny", "bf16"),
+        ("smollm2", "bf16"),
+        ("smollm2", FP2_SPEC),
+        ("random:smollm2-135m", FP2_SPEC),  # the whole-step graphs where the package is missing
+    ],
+)
 def test_gpu_cuda_graphs_give_the_eager_tokens(model: str, kv: str, tiny_mixtral) -> None:
-    """cuda_graphs=True (piecewise graphs, padded buckets, dense local experts) vs eager decode."""
+    """cuda_graphs=True vs eager decode: piecewise graphs (bf16 KV) or, for FP2 flushing one
+    token at a time, the whole step in one graph per (bucket, FP2 length): KV writes and fused
+    attention captured, padded buckets, dense local experts."""
     if model == "smollm2":
         from zerodram.runtime.loading.checkpoint import ModelSpec
 
@@ -126,7 +136,11 @@ def test_gpu_cuda_graphs_give_the_eager_tokens(model: str, kv: str, tiny_mixtral
     prompts = PROMPTS if model == "tiny" else [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
     eager, _ = _greedy(path, CUDA, prompts, 16, kv)
     graphs, engine = _greedy(path, CUDA, prompts, 16, kv, cuda_graphs=True)
-    assert engine.graphs is not None and all(s.graphs is not None for s in engine.graphs.steps.values())
+    steps = engine.graphs.steps.values()
+    if kv.startswith("fp2"):
+        assert all(s.static_attn is not None for s in steps) and any(s.whole for s in steps)
+    else:
+        assert all(s.graphs is not None for s in steps)
     assert _compare(f"{model} {kv} graphs vs eager", graphs, eager) == 1.0
 
 
@@ -147,3 +161,44 @@ def test_gpu_bf16_weights_route_experts_through_the_kernel_in_graphs_and_eager()
     assert _compare("tiny-moe bf16 weights: graphs vs eager", graphs, eager) == 1.0
     fp32, _ = _greedy(model, CUDA, PROMPTS, 16, "bf16")
     assert _compare("tiny-moe bf16 vs fp32 weights", eager, fp32) >= 0.5
+
+
+def _rank_nvshmem_engine(ctx, path: str, prompts: list, max_tokens: int, kvs: tuple[str, ...]) -> dict:
+    """One rank of the engine over NVSHMEM: ranks from `run_ranks` (gloo), all on cuda:0 (several
+    PEs share the one GPU: correct, not fast). Each engine is closed (collective) before the next."""
+    torch.cuda.set_device(0)
+    gctx = SimpleNamespace(
+        rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cuda", 0), backend=ctx.backend,
+        timeout_s=120.0, topology=None,
+    )  # fmt: skip
+    got = {}
+    for kv in kvs:
+        config = EngineConfig(
+            kv_format=kv, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4)
+        )
+        with build_engine(path, gctx, config, dtype="fp32", ep_backend="nvshmem") as engine:
+            world = engine.model._make_ep
+            assert world.backend == "nvshmem" and world.session is not None
+            moe = [layer for layer in engine.model.layers if layer.is_moe]
+            assert all(layer.ep.layer.comm.session is world.session for layer in moe)
+            outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            got[kv] = [o.token_ids for o in outs]
+        assert world.session is None and not world.built
+    return got
+
+
+@pytest.mark.slow
+def test_gpu_engine_over_two_nvshmem_ranks_matches_transformers(tiny_mixtral) -> None:
+    """The engine over 2 ranks with the NVSHMEM backend (one session per rank shared by every MoE
+    layer): bf16 KV gives transformers' greedy tokens; FP2 (the kernels' format) runs the fused
+    decode on each rank and is compared with the one-rank GPU engine."""
+    from multirank import run_ranks
+
+    path, hf = tiny_mixtral
+    results = run_ranks(
+        _rank_nvshmem_engine, 2, args=(path, PROMPTS, MAX_TOKENS, ("bf16", FP2_SPEC)),
+        timeout_s=600, rank_timeout_s=180, device="cpu",
+    )  # fmt: skip
+    assert _compare("2 NVSHMEM ranks bf16 vs transformers", results[0]["bf16"], hf) == 1.0
+    one_rank, _ = _greedy(path, CUDA, PROMPTS, MAX_TOKENS, FP2_SPEC)
+    assert _compare("2 NVSHMEM ranks fp2 vs one rank", results[0][FP2_SPEC], one_rank) >= 0.9

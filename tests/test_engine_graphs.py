@@ -6,6 +6,8 @@ Shape legend: B decode rows, Bp bucket, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,6 +43,8 @@ def test_bucket_sizes() -> None:
 
 def _engine(name: str, kv: str, static: bool) -> Engine:
     cfg = NAMED_CONFIGS[name]
+    if kv.startswith("fp2"):  # the fused FP2 decode reads head dims 64 and 128
+        cfg = dataclasses.replace(cfg, head_dim=64)
     model = Transformer(cfg, random_weights(cfg, None, 0, seed=5, dtype=torch.float32))
     page = 4 if kv == "fp32" else 32
     engine = Engine(
@@ -48,7 +52,10 @@ def _engine(name: str, kv: str, static: bool) -> Engine:
         EngineConfig(kv_format=kv, num_kv_pages=32, page_size=page, scheduler=SchedulerConfig(4, 16, 4)),
     )
     if static:
-        engine.graphs = DecodeGraphs(model, max_batch=4, capture=False)
+        # whole-step mode where the engine would choose it (FP2 fused decode, flush 1)
+        whole = engine.attn.decode if getattr(engine.kv, "static_decode_ok", False) else None
+        statics = None if whole is None or not hasattr(whole, "static_call") else (engine.kv, whole)
+        engine.graphs = DecodeGraphs(model, max_batch=4, capture=False, static=statics)
     return engine
 
 
@@ -71,7 +78,15 @@ class _Recorder:
 
 
 @pytest.mark.parametrize(
-    ("name", "kv"), [("tiny-moe", "fp32"), ("tiny-qwen-moe", "bf16"), ("tiny-dense", "fp32")]
+    ("name", "kv"),
+    [
+        ("tiny-moe", "fp32"),
+        ("tiny-qwen-moe", "bf16"),
+        ("tiny-dense", "fp32"),
+        # the whole-step mode: FP2 flushing one token at a time (sinks, a 7-token window, flushes)
+        ("tiny-moe", "fp2:tail=1,window=7"),
+        ("tiny-qwen-moe", "fp2:sinks=0,tail=1,window=0,scale=e8m0"),
+    ],
 )
 def test_static_step_gives_the_eager_tokens(name: str, kv: str) -> None:
     runs = {}
@@ -92,6 +107,8 @@ def test_static_step_gives_the_eager_tokens(name: str, kv: str) -> None:
         runs[static] = ([o.token_ids for o in outs], timer.routed_rows, seen)
     (tok_e, routed_e, _), (tok_s, routed_s, seen) = runs[False], runs[True]
     assert tok_s == tok_e
+    whole = all(step.static_attn is not None for step in engine.graphs.steps.values())
+    assert whole == kv.startswith("fp2"), "FP2 flush-1 formats take the whole-step mode"
     # the static path served the decode-only steps: 3 rows padded into bucket 4, then 2, then 1
     assert {1, 2, 3} <= {t.shape[0] for t in seen}
     # expert-load telemetry sees the same rows either way (the B real rows, not the padding)

@@ -1,5 +1,6 @@
 """Greedy parity with Hugging Face transformers, one process, fp32 and BF16 KV pages: tiny random
-Mixtral and Qwen2-MoE (with a gated shared expert) checkpoints written in the test, and the
+Mixtral, Qwen2-MoE (with a gated shared expert) and Qwen3-MoE (q/k norms, head dim 16 != hidden /
+heads, YaRN RoPE) checkpoints written in the test, and the
 packaged SmolLM2 served as experts (dense-as-MoE).
 
 The multi-rank versions (2 and 4 ranks) are in test_engine_multirank.py and reuse these helpers.
@@ -32,12 +33,27 @@ TINY = {
 }
 
 
+TINY_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def make_tiny_checkpoint(kind: str, path: Path) -> Path:
-    """Save a tiny random `kind` ("mixtral" | "qwen2_moe") checkpoint (safetensors) to `path`."""
+    """Save a tiny random `kind` ("mixtral" | "qwen2_moe" | "qwen3_moe") checkpoint (safetensors)
+    to `path`."""
     torch.manual_seed(1234)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **TINY)
         model = transformers.MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # q/k RMSNorm, an explicit head dim, renormalised top-k, YaRN RoPE
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+        cfg = transformers.Qwen3MoeConfig(
+            num_experts=4,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            head_dim=16,
+            rope_parameters=yarn,
+            **TINY,
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2MoeConfig(
             num_experts=4,
@@ -74,7 +90,7 @@ _CACHE: dict = {}
 def tiny_references(root: Path) -> tuple[dict[str, Path], dict[str, list[list[int]]]]:
     """Tiny checkpoints and transformers' greedy tokens, made once per test session."""
     if "tiny" not in _CACHE:
-        ckpts = {k: make_tiny_checkpoint(k, root / k) for k in ("mixtral", "qwen2_moe")}
+        ckpts = {k: make_tiny_checkpoint(k, root / k) for k in TINY_KINDS}
         _CACHE["tiny"] = ckpts, {k: hf_greedy(p, PROMPTS, MAX_TOKENS) for k, p in ckpts.items()}
     return _CACHE["tiny"]
 
@@ -101,7 +117,7 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("kv", PARITY_KV)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", TINY_KINDS)
 def test_tiny_moe_greedy_matches_transformers(tiny_ckpts: dict[str, Path], kind: str, kv: str) -> None:
     want = _CACHE["tiny"][1][kind]
     assert len({tuple(w) for w in want}) > 1

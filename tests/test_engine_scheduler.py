@@ -60,9 +60,34 @@ def test_bad_requests_get_errors_and_the_engine_carries_on() -> None:
     assert "exceeds the model" in outs[3].error
     assert outs[4].finish_reason == "length"
     assert len(outs[4].token_ids) == 3
-    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+    for bad in (
+        {"max_tokens": 0},
+        {"max_tokens": True},
+        {"temperature": -1.0},
+        {"temperature": True},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"seed": 2**70},
+        {"seed": -1},
+        {"seed": 1.5},
+        {"stop_token_ids": ("7",)},
+    ):
         with pytest.raises(RequestError):
             SamplingParams(**bad).check()
+    for bad in ({"stop_token_ids": 7}, {"ignore_eos": "yes"}):
+        with pytest.raises(RequestError):
+            SamplingParams.from_dict(bad)
+    # valid but extreme: a tiny temperature is greedy, the largest seed is a seed
+    greedy, tiny_t, big_seed = engine.generate(
+        [[5, 6]] * 3,
+        [
+            SamplingParams(max_tokens=3, ignore_eos=True),
+            SamplingParams(max_tokens=3, temperature=1e-40, ignore_eos=True),
+            SamplingParams(max_tokens=3, temperature=0.7, seed=2**64 - 1, ignore_eos=True),
+        ],
+    )
+    assert tiny_t.token_ids == greedy.token_ids
+    assert big_seed.finish_reason == "length", big_seed.error
     out = engine.generate([[5, 6]], SamplingParams(max_tokens=2, top_p=2.0))[0]
     assert out.finish_reason == "error"
     assert "top_p" in out.error
@@ -70,6 +95,30 @@ def test_bad_requests_get_errors_and_the_engine_carries_on() -> None:
         SamplingParams.from_dict({"max_token": 3})
     with pytest.raises(ConfigError, match="tokenizer"):
         engine.encode("text without a tokenizer")
+
+
+def test_non_finite_logits_fail_only_their_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine()
+    forward, schedule, plans = engine.model.forward, engine.scheduler.schedule, []
+
+    def remember():  # the step's plan: row i of the logits is plans[-1].sampled[i]
+        plans.append(schedule())
+        return plans[-1]
+
+    def poisoned(batch, attn):  # the row of request 1 goes NaN from its third token on
+        logits = forward(batch, attn)
+        for row, req in enumerate(plans[-1].sampled):
+            if req.request_id == 1 and len(req.output_ids) >= 2:
+                logits[row] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.scheduler, "schedule", remember)
+    monkeypatch.setattr(engine.model, "forward", poisoned)
+    outs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "non-finite logits at output token 2" in outs[1].error
+    assert len(outs[1].token_ids) == 2
+    assert engine.kv.num_free_pages() == 64
 
 
 def test_stop_tokens_max_tokens_and_streaming() -> None:

@@ -193,10 +193,11 @@ def test_reference_decode_attention_gqa(fmt: str) -> None:
 
 def _state(c) -> list[torch.Tensor]:
     """Every tensor a cache writes (pages, scales, offsets, the bf16 region's live rows; its rows
-    past a sequence's tail are scratch, unspecified)."""
+    past a sequence's tail, the scratch page and the scratch slot are unspecified)."""
     if c.format != "fp2":
         return [c.k_pages, c.v_pages]
-    hp_k, hp_v = c.hp_k.clone(), c.hp_v.clone()
+    NP, slots = c.num_pages, c.tables.max_seqs
+    hp_k, hp_v = c.hp_k[:slots].clone(), c.hp_v[:slots].clone()
     S = c.spec.num_sinks
     for slot, n in c.tables.lens.items():
         live = min(n, S) if n <= S else n - c.rule.num_quantized(n)  # sinks + tail rows
@@ -204,7 +205,7 @@ def _state(c) -> list[torch.Tensor]:
         hp_v[slot, :, live:] = 0
     out = [hp_k, hp_v]
     for side in (c.k, c.v):
-        out += [side.codes, side.scales] + ([side.offsets] if side.offsets is not None else [])
+        out += [side.codes[:NP], side.scales[:NP]] + ([side.offsets[:NP]] if side.offsets is not None else [])
     return out
 
 
@@ -243,6 +244,49 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         assert a.tables.pages == b.tables.pages == b2.tables.pages
     for ta, tb, tb2 in zip(_state(a), _state(b), _state(b2), strict=True):
         assert torch.equal(ta, tb) and torch.equal(ta, tb2)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "device"),
+    [
+        ("fp2:tail=1,window=32", "cpu"),
+        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu"),
+        pytest.param("fp2:tail=1,window=32", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None:
+    """The fixed-shape decode write (host plan + device write over a padded batch, what a CUDA
+    graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
+    flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot."""
+    from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
+
+    a, b = (_cache(fmt, num_pages=24, max_seqs=6, device=device) for _ in range(2))
+    gen = torch.Generator().manual_seed(7)
+    seqs = []
+    for n0 in (0, 3, 31, 46, 63, 90):
+        sa, sb = a.new_sequence(), b.new_sequence()
+        assert sa == sb
+        if n0:
+            k, v = (t.to(device) for t in _tokens(n0, seed=n0))
+            a.append(sa, k, v)
+            b.append(sb, k, v)
+        seqs.append(sa)
+    Bp = 8
+    ix = StaticDecodeIndex.allocate(Bp, torch.device(device))
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
+        k = torch.randn(Bp, H, D, generator=gen).to(device) * 3  # rows past len(live): padding
+        v = torch.randn(Bp, H, D, generator=gen).to(device) * 3
+        a.append_decode(live, k[: len(live)], v[: len(live)])
+        ix.fill(b.plan_decode_static(live), b.scratch_slot, b.scratch_page)
+        b.write_decode_static(k, v, ix)
+        assert [a.seq_len(s) for s in live] == [b.seq_len(s) for s in live]
+    assert a.tables.pages == b.tables.pages
+    for ta, tb in zip(_state(a), _state(b), strict=True):
+        assert torch.equal(ta, tb)
+    assert not _cache("fp2:tail=4,window=8").static_decode_ok
+    with pytest.raises(ConfigError, match="flush 1"):
+        _cache("fp2:tail=4,window=8").plan_decode_static([])
 
 
 def test_decode_append_refuses_and_writes_nothing() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,152 @@ def test_packaged_tokenizer_matches_transformers_ids() -> None:
     text = "Hello world!  The  quick\n\nbrown fox 2024 ... don't 🎉"
     assert tok.decode(tok.encode(text)) == text
     assert tok.eos_token_ids == (2,)
+
+
+def _write_gguf(kind: str, ckpt: Path, path: Path) -> None:
+    """A tiny checkpoint as llama.cpp's converter lays its GGUF out: Mixtral as the llama
+    architecture with q/k rows permuted for its RoPE, Qwen-MoE as qwen2moe / qwen3moe (no
+    permutation, q/k biases or norms, a gated shared expert); experts stacked per layer
+    (`ffn_*_exps`), F32 tensors, a gpt2 vocabulary of placeholder tokens (the test feeds ids)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    w = {k: v.float().numpy() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    H, Hkv, L = (cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"))
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[kind]
+    E = cfg.get("num_experts") or cfg["num_local_experts"]
+    rope = cfg["rope_parameters"]
+
+    def permute(x, heads):  # llama.cpp's convert, llama only: rows (h, 2, pair) -> (h, pair, 2)
+        if arch != "llama":
+            return x
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    out = gguf.GGUFWriter(str(path), arch)
+    out.add_block_count(L)
+    out.add_context_length(cfg["max_position_embeddings"])
+    out.add_embedding_length(cfg["hidden_size"])
+    out.add_feed_forward_length(cfg["intermediate_size"])
+    out.add_head_count(H)
+    out.add_head_count_kv(Hkv)
+    if cfg.get("head_dim"):
+        out.add_key_length(cfg["head_dim"])
+        out.add_value_length(cfg["head_dim"])
+    out.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    out.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "yarn":
+        out.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        out.add_rope_scaling_factor(rope["factor"])
+        out.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    out.add_expert_count(E)
+    out.add_expert_used_count(cfg["num_experts_per_tok"])
+    if kind != "mixtral":
+        out.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        out.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if cfg.get("shared_expert_intermediate_size"):
+        out.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    out.add_tokenizer_model("gpt2")
+    out.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    out.add_token_types([1] * cfg["vocab_size"])
+    for key, add in (("bos_token_id", out.add_bos_token_id), ("eos_token_id", out.add_eos_token_id)):
+        if cfg.get(key) is not None:
+            add(cfg[key])
+    out.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    out.add_tensor("output.weight", w["lm_head.weight"])
+    out.add_tensor("output_norm.weight", w["model.norm.weight"])
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add = {
+            "attn_norm.weight": w[p + "input_layernorm.weight"],
+            "ffn_norm.weight": w[p + "post_attention_layernorm.weight"],
+            "attn_q.weight": permute(w[p + "self_attn.q_proj.weight"], H),
+            "attn_k.weight": permute(w[p + "self_attn.k_proj.weight"], Hkv),
+            "attn_v.weight": w[p + "self_attn.v_proj.weight"],
+            "attn_output.weight": w[p + "self_attn.o_proj.weight"],
+        }
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+            if p + f"self_attn.{theirs}.bias" in w:
+                add[f"{ours}.bias"] = w[p + f"self_attn.{theirs}.bias"]
+        for ours in ("q_norm", "k_norm"):
+            if p + f"self_attn.{ours}.weight" in w:
+                add[f"attn_{ours}.weight"] = w[p + f"self_attn.{ours}.weight"]
+        if kind == "mixtral":
+            moe, names = p + "block_sparse_moe.", {"gate": "w1", "up": "w3", "down": "w2"}
+        else:
+            moe, names = p + "mlp.", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        add["ffn_gate_inp.weight"] = w[moe + "gate.weight"]
+        for part, theirs in names.items():  # [E, out, in]
+            add[f"ffn_{part}_exps.weight"] = np.stack(
+                [w[f"{moe}experts.{e}.{theirs}.weight"] for e in range(E)]
+            )
+        if moe + "shared_expert_gate.weight" in w:
+            add["ffn_gate_inp_shexp.weight"] = w[moe + "shared_expert_gate.weight"][0]  # llama.cpp: [D]
+            for part in ("gate", "up", "down"):
+                add[f"ffn_{part}_shexp.weight"] = w[f"{moe}shared_expert.{part}_proj.weight"]
+        for name, tensor in add.items():
+            out.add_tensor(b + name, tensor)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_gguf_files_match_transformers(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MoE GGUF files as llama.cpp writes them (stacked experts; Mixtral's permuted q/k; Qwen's
+    biases, q/k norms, shared expert, YaRN metadata) served by the engine in one process give
+    transformers' greedy tokens for the same weights."""
+    pytest.importorskip("transformers")
+    from test_engine_parity import tiny_references
+    from test_engine_support import MAX_TOKENS, PROMPTS, engine_greedy
+
+    monkeypatch.setenv("ZERODRAM_CACHE_DIR", str(tmp_path / "cache"))
+    ckpts, want = tiny_references(tmp_path / "tiny")
+    gguf_path = tmp_path / f"tiny-{kind}.gguf"
+    _write_gguf(kind, ckpts[kind], gguf_path)
+    assert engine_greedy(str(gguf_path), None, PROMPTS, MAX_TOKENS) == want[kind]
+
+
+def test_qwen_gguf_vocabulary_splits_as_transformers_does(tmp_path: Path) -> None:
+    """A GGUF `gpt2` vocabulary with `tokenizer.ggml.pre = qwen2` (Qwen2/3 files) splits digits one
+    by one and handles contractions and newlines as Qwen's tokenizer does: ids equal transformers'
+    own GGUF tokenizer's. The merge "1 2" would fire under GPT-2's split, never under Qwen's."""
+    pytest.importorskip("transformers")
+    import gguf
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from zerodram.runtime.loading.gguf_file import gguf_tokenizer_json
+
+    path = tmp_path / "tok.gguf"
+    merges = ["Ġ t", "h e", "Ġt he", "1 2"]
+    tokens = [*bytes_to_unicode().values(), "Ġt", "he", "Ġthe", "12", "<|endoftext|>"]
+    out = gguf.GGUFWriter(str(path), "qwen2")
+    out.add_block_count(1)
+    out.add_context_length(64)
+    out.add_embedding_length(8)
+    out.add_feed_forward_length(8)
+    out.add_head_count(1)
+    out.add_tokenizer_model("gpt2")
+    out.add_tokenizer_pre("qwen2")
+    out.add_token_list(tokens)
+    out.add_token_merges(merges)
+    out.add_token_types([1] * (len(tokens) - 1) + [3])
+    out.add_eos_token_id(len(tokens) - 1)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = Tokenizer.from_str(gguf_tokenizer_json(gguf.GGUFReader(str(path)), path))
+    for text in ("the 12345 they're\n\n  the", "Hello, WORLD's 2024!\r\n x", "café été<|endoftext|>"):
+        assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(
+            text, add_special_tokens=False
+        )
+    assert tokens.index("12") not in ours.encode("12", add_special_tokens=False).ids

@@ -107,7 +107,7 @@ def test_parse_hf_configs_v4_and_v5_spellings() -> None:
         ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="rope type"):
         ModelConfig.from_hf_dict(
-            {**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+            {**base, "model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
         )
 
 
@@ -124,22 +124,51 @@ def test_parse_hf_configs_v4_and_v5_spellings() -> None:
             "original_max_position_embeddings": 8192,
             "rope_theta": 500000.0,
         },
+        # Qwen3 long context: yarn 4x over 32k, attention factor from the factor
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6},
+        # DeepSeek-V3 style: mscale ratio, beta bounds, no truncation
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "truncate": False,
+            "rope_theta": 10000.0,
+        },
+        # an explicit attention factor
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 65536,
+            "attention_factor": 1.3,
+            "rope_theta": 10000.0,
+        },
     ],
 )
 def test_rope_frequencies_match_transformers(params: dict) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from zerodram.runtime.model.rope import Rope
+
     hf_cfg = transformers.LlamaConfig(
         hidden_size=256, num_attention_heads=2, max_position_embeddings=131072, rope_parameters=dict(params)
     )
     ours = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "model_type": "llama"})
     got = inv_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    want_scale = 1.0
     if params["rope_type"] == "default":
         want = 1.0 / (params["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
     else:
-        want, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
-    torch.testing.assert_close(got, want.float())
+        want, want_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, "cpu")
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+    rope = Rope(ours.head_dim, ours.rope_theta, ours.rope_scaling, torch.device("cpu"))
+    assert rope.scale == pytest.approx(want_scale, rel=1e-12)
+    cos, _ = rope.cos_sin(torch.tensor([0, 70000]), torch.float32)
+    assert float(cos[0].max()) == pytest.approx(want_scale)  # cos(0) = 1, times the factor
 
 
 def test_smollm2_shaped_config_has_smollm2s_parameter_count() -> None:

@@ -12,6 +12,7 @@ import torch
 from multirank import run_ranks
 
 from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
+from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.moe import EpMoELayer, MoEWeights, RouterConfig, reference_experts, reference_moe
 
 pytestmark = pytest.mark.slow
@@ -120,3 +121,32 @@ def _run_cases(ctx) -> list[str]:
 def test_ep_layer_matches_reference(world_size: int) -> None:
     results = run_ranks(_run_cases, world_size, timeout_s=150, rank_timeout_s=30)
     assert all(r == [c[0] for c in CASES] for r in results)
+
+
+def _world_lifetime(ctx) -> list:
+    from zerodram.runtime.model.ep import ExpertParallelWorld
+    from zerodram.runtime.model.moe import ExpertWeights
+
+    world = ExpertParallelWorld(
+        ctx, expert_to_rank=(0, 0, 1, 1), top_k=2, hidden=8, max_tokens_per_rank=4, num_moe_layers=2
+    )
+    e = 2 * ctx.rank
+    experts = ExpertWeights((e, e + 1), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 8, 4))
+    eps = [world(i, experts) for i in range(2)]
+    comms = [ep.layer.comm for ep in eps]
+    world.close()
+    world.close()  # idempotent
+    return [world.backend, [c._closed for c in comms], world.built]
+
+
+def test_expert_parallel_world_builds_and_closes_every_layer() -> None:
+    """A model's layers come from one ExpertParallelWorld (backend resolved once) that closes them
+    all; the NVSHMEM backend on a CPU rank is refused by name."""
+    from zerodram.runtime.comm import resolve_backend
+
+    assert run_ranks(_world_lifetime, 2) == [["torch", [True, True], []]] * 2
+    cpu = type("Ctx", (), {"rank": 0, "device": torch.device("cpu")})()
+    with pytest.raises(ConfigError, match="nvshmem needs a GPU; rank 0 runs on cpu"):
+        resolve_backend(cpu, "nvshmem")
+    with pytest.raises(ConfigError, match="EP backend 'mpi'"):
+        resolve_backend(cpu, "mpi")

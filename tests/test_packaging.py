@@ -75,3 +75,17 @@ def test_our_folders_never_shadow_top_level_packages() -> None:
         spec = importlib.util.find_spec(folder)
         origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
         assert origin is None or ROOT / folder not in origin.parents, (folder, origin)
+
+
+def test_commands_work_without_the_benchmarks_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An installed copy has no benchmarks/: the parser still builds (every other command works)
+    and `bench X` fails alone, saying where the benchmark is expected."""
+    from zerodram.launch import bench_cmd
+    from zerodram.runtime.errors import ConfigError
+
+    monkeypatch.setattr(bench_cmd, "REPO_ROOT", tmp_path)
+    build_parser()
+    assert main(["bench", "decode"]) == ConfigError.exit_code
+    assert "run from a source checkout" in capsys.readouterr().err

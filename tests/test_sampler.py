@@ -59,3 +59,19 @@ def test_temperature_sharpens() -> None:
     cold_draws = {sample(logits, [cold], [gc])[0] for _ in range(100)}
     assert len(hot_draws) >= 3
     assert cold_draws == {1}
+
+
+def test_tiny_temperatures_tend_to_greedy_and_bad_rows_draw_nothing() -> None:
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)) * 30
+    logits[1, 5] = float("nan")
+    logits[2, 7] = float("inf")
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-40, 5e-324, 1.0)]
+    gens = [make_generator(p, i, CPU) for i, p in enumerate(params)]
+    assert gens[:2] == [None, None]  # below GREEDY_BELOW: greedy, nothing drawn
+    assert sample(logits, params, gens) == [int(logits[0].argmax()), None, None]
+    # 5e-324 (the smallest double, 0 in fp32) on a finite row: greedy, not 0 / 0 = NaN
+    assert sample(logits[:1], params[1:2], gens[1:2]) == [int(logits[0].argmax())]
+    # a small temperature above it on logits near fp32's limit: max subtracted first, no inf
+    huge = torch.tensor([[3e38, 2.9e38, -3e38]])
+    cold = SamplingParams(temperature=2e-5, seed=2)
+    assert sample(huge, [cold], [make_generator(cold, 0, CPU)]) == [0]

@@ -39,6 +39,7 @@ __all__ = [
     "from_topology",
     "packed_offsets",
     "plan_send",
+    "resolve_backend",
 ]
 
 
@@ -50,16 +51,8 @@ def check_layout_matches(layout: EpLayout, ctx: Any) -> None:
         raise ConfigError(f"EP layout was built for rank {layout.rank}, this process is rank {ctx.rank}")
 
 
-def create_communicator(
-    ctx: Any, layout: EpLayout, router: Any = None, backend: str | None = None
-) -> Communicator:
-    """Choose and build the backend once.
-
-    Args:
-        ctx: the `RankContext`.
-        layout: the layer's `EpLayout`.
-        router: a `RouterConfig` (needed to dispatch from logits or the gate weight).
-        backend: "auto", "torch" or "nvshmem" (default: ZERODRAM_EP_BACKEND).
+def resolve_backend(ctx: Any, backend: str | None = None) -> str:
+    """"torch" or "nvshmem" for `backend` ("auto", "torch", "nvshmem"; default ZERODRAM_EP_BACKEND).
 
     Raises:
         ConfigError: unknown backend, or "nvshmem" without a GPU.
@@ -71,15 +64,37 @@ def create_communicator(
         raise ConfigError(f"EP backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         backend = "nvshmem" if ctx.device.type == "cuda" and _nvshmem_importable() else "torch"
+    if backend == "nvshmem" and ctx.device.type != "cuda":
+        raise ConfigError(f"EP backend nvshmem needs a GPU; rank {ctx.rank} runs on {ctx.device}")
+    return backend
+
+
+def create_communicator(
+    ctx: Any, layout: EpLayout, router: Any = None, backend: str | None = None, session: Any = None
+) -> Communicator:
+    """Choose and build the backend once.
+
+    Args:
+        ctx: the `RankContext`.
+        layout: the layer's `EpLayout`.
+        router: a `RouterConfig` (needed to dispatch from logits or the gate weight).
+        backend: "auto", "torch" or "nvshmem" (default: ZERODRAM_EP_BACKEND).
+        session: NVSHMEM only: a shared `NvshmemSession` (the layers of one model share one; the
+            session outlives them). None: the communicator creates and owns its own.
+
+    Raises:
+        ConfigError: unknown backend, "nvshmem" without a GPU, or a session for the torch backend.
+    """
+    backend = resolve_backend(ctx, backend)
     if backend == "torch":
+        if session is not None:
+            raise ConfigError("an NVSHMEM session was given to the torch EP backend")
         from zerodram.runtime.comm.torch_dist import TorchDistComm
 
         return TorchDistComm.create(ctx, layout, router)
-    if ctx.device.type != "cuda":
-        raise ConfigError(f"EP backend nvshmem needs a GPU; rank {ctx.rank} runs on {ctx.device}")
     from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
 
-    return NvshmemComm.create(ctx, layout, router)
+    return NvshmemComm.create(ctx, layout, router, session=session)
 
 
 def _nvshmem_importable() -> bool:

@@ -103,7 +103,7 @@ class NvshmemComm(Communicator):
         timeout_s = timeout_s or ENVS.EP_DEVICE_TIMEOUT_S.get() or ctx.timeout_s
         owned = session is None
         if session is None:
-            session = NvshmemSession.create(ctx, heap_bytes=_heap_hint(layout))
+            session = NvshmemSession.create(ctx, heap_bytes=heap_bytes(layout))
         return cls(layout, router, session, owned, float(timeout_s))
 
     def __init__(
@@ -262,6 +262,7 @@ class NvshmemComm(Communicator):
             self.session.close()
 
 
-def _heap_hint(lay: EpLayout) -> int:
-    """Symmetric heap to ask for: both phases plus slack for NVSHMEM's own allocations."""
-    return 2 * SymmetricLayout.of(lay).phase_bytes + (256 << 20)
+def heap_bytes(lay: EpLayout, num_comms: int = 1) -> int:
+    """Symmetric heap to ask for: both phases of `num_comms` communicators of this layout, plus
+    slack for NVSHMEM's own allocations."""
+    return num_comms * 2 * SymmetricLayout.of(lay).phase_bytes + (256 << 20)

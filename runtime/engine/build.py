@@ -14,7 +14,7 @@ import torch
 
 from zerodram.runtime.engine.engine import Engine, EngineConfig, StepStats
 from zerodram.runtime.loading.checkpoint import ModelSpec, RankModel, load_for_rank
-from zerodram.runtime.model.ep import make_expert_parallel
+from zerodram.runtime.model.ep import ExpertParallelWorld
 from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer
 from zerodram.runtime.model.transformer import Transformer
 
@@ -36,23 +36,22 @@ def build_model(
         max_step_tokens: the most tokens one step sends through a MoE layer (EP buffer sizing).
         ep_backend: "torch", "nvshmem", "auto" (runtime/moe's layer) or "allgather" (stopgap).
     """
-    rank, world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
-    e2r = rm.placement.expert_to_rank if rm.placement is not None else None
-
-    def make_ep(_layer_idx: int, experts: Any) -> Any:
-        return make_expert_parallel(
-            experts,
-            world_size,
-            rank,
-            timer,
-            ctx=ctx,
-            expert_to_rank=e2r,
-            top_k=rm.config.num_experts_per_tok,
-            max_tokens_per_rank=max_step_tokens,
-            backend=ep_backend,
-        )
-
-    return Transformer(rm.config, rm.weights, make_ep, timer)
+    cfg = rm.config
+    world = ExpertParallelWorld(
+        ctx,
+        timer,
+        expert_to_rank=rm.placement.expert_to_rank if rm.placement is not None else None,
+        top_k=cfg.num_experts_per_tok,
+        hidden=cfg.hidden_size,
+        max_tokens_per_rank=max_step_tokens,
+        num_moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)),
+        backend=ep_backend,
+    )
+    try:
+        return Transformer(cfg, rm.weights, world, timer)
+    except BaseException:
+        world.close()
+        raise
 
 
 def build_engine(

@@ -150,8 +150,29 @@ class Engine:
             if self.world_size > 1:
                 # every rank would have to capture (and warm up the EP collectives) in step
                 raise ConfigError(f"cuda_graphs serve one rank for now, this job has {self.world_size}")
-            self.graphs = DecodeGraphs(model, max_batch=self.config.scheduler.max_num_seqs, capture=True)
+            # The whole step in one graph where the KV writes and the attention have a fixed
+            # shape (FP2 through the fused kernels, flushing one token at a time), else piecewise.
+            static = (self.kv, decode) if decode is not None and getattr(self.kv, "static_decode_ok", False) else None
+            self.graphs = DecodeGraphs(
+                model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
+            )
         self.on_error: Callable[[str], None] | None = None
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the model's expert-parallel resources (communicators, the NVSHMEM session).
+        Collective: every rank closes, after the same last step. Idempotent."""
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        # Only a clean exit closes: closing is collective, and after an exception another rank
+        # may never arrive (an NVSHMEM barrier has no timeout); process exit tears NVSHMEM down.
+        if exc_type is None:
+            self.close()
 
     # --- observation ---------------------------------------------------------------------------
 
@@ -242,6 +263,9 @@ class Engine:
                 [self._generators[r.request_id] for r in sampled],
             )
         for req, tok in zip(sampled, tokens, strict=True):
+            if tok is None:  # its logits held NaN/Inf: no token to draw, the others go on
+                events.append(self._fail(req, f"non-finite logits at output token {len(req.output_ids)}"))
+                continue
             req.output_ids.append(tok)
             reason = None
             if (tok in self.eos_ids and not req.params.ignore_eos) or tok in req.params.stop_token_ids:
@@ -262,7 +286,7 @@ class Engine:
                     len(self.scheduler.waiting),
                     self.kv.num_pages - self.kv.num_free_pages(),
                     self.kv.num_pages,
-                    len(tokens),
+                    sum(t is not None for t in tokens),
                     *self.kv.stored_bytes(),
                     time.perf_counter() - t0,
                 )
@@ -278,12 +302,16 @@ class Engine:
             req = next((r for r in self.scheduler.running if r.request_id == rid), None)
             if req is None:  # already gone (cannot happen within a step; nothing to end)
                 continue
-            self.scheduler.finish(req, "error")
-            self._generators.pop(rid, None)
-            events.append(TokenEvent(rid, None, "error", error=f"request stopped: {message}", rank=self.rank))
-            if self.on_error is not None:  # the dashboard's error count and last messages
-                self.on_error(f"request {rid} stopped: {message}")
+            events.append(self._fail(req, message))
         return events
+
+    def _fail(self, req: Request, message: str) -> TokenEvent:
+        """End one request with an error (its pages freed); the rest of the batch goes on."""
+        self.scheduler.finish(req, "error")
+        self._generators.pop(req.request_id, None)
+        if self.on_error is not None:  # the dashboard's error count and last messages
+            self.on_error(f"request {req.request_id} stopped: {message}")
+        return TokenEvent(req.request_id, None, "error", error=f"request stopped: {message}", rank=self.rank)
 
     # --- the Python API ------------------------------------------------------------------------
 

@@ -40,6 +40,13 @@ from zerodram.runtime.errors import ConfigError, ZerodramError
 log = logging.getLogger("zerodram.engine")
 
 
+def length_bucket(max_fp2: int) -> int:
+    """The FP2 length the kernel grid is sized for: the next power of two, at least 1024 (a
+    split's minimum). Eager steps and captured ones use it alike, so they split the same way and
+    give the same bits; a captured step serves every length up to its bucket."""
+    return max(1024, 1 << max(0, max_fp2 - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class _LayerConsts:
     """One layer's kernel view and per-query-head anchors, rebuilt if the cache's params change
@@ -50,6 +57,19 @@ class _LayerConsts:
     layer: Fp2Layer
     q_anchor: torch.Tensor
     v_anchor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StaticDecodeMeta:
+    """One batch bucket's decode metadata in static device buffers (a captured graph reads them
+    at every replay): block_table [Bp, W] int32 (W: a sequence's most pages), fp2_len, hp_len,
+    hp_slot [Bp] int32, and slot [Bp] int64, the rows of the device table to take."""
+
+    block_table: torch.Tensor
+    fp2_len: torch.Tensor
+    hp_len: torch.Tensor
+    hp_slot: torch.Tensor
+    slot: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -119,6 +139,7 @@ class Fp2FusedDecode:
         # can repeat across generate() calls, list objects held here cannot).
         width = c0.tables.max_pages_per_seq
         self._table = torch.full((c0.tables.max_seqs, width), -1, dtype=torch.int32)
+        self._table_dev: torch.Tensor | None = None  # a device copy, for the static path
         self._mirror_of: dict[int, list[int]] = {}
         self._mirror_len: dict[int, int] = {}
         self._step: _StepMeta | None = None
@@ -151,12 +172,11 @@ class Fp2FusedDecode:
 
     # --- per step ------------------------------------------------------------------------------
 
-    def _meta(self, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> _StepMeta:
-        """The step's DecodeBatch (host bookkeeping, one copy to the device)."""
-        kv, cache0 = self.kv, self.kv.caches[0]
-        P, B = self.page_size, len(seq_ids)
+    def _mirror(self, seq_ids: tuple[int, ...], fp2: list[int]) -> list[int]:
+        """Bring the host block-table mirror (and its device copy, once the static path made one)
+        up to the step's FP2 lengths; returns the sequences' cache slots."""
+        kv, cache0, P = self.kv, self.kv.caches[0], self.page_size
         slots = [kv._slots[s][0] for s in seq_ids]
-        fp2 = [self.rule.num_quantized(n) for n in lengths]
         for sid, slot, f in zip(seq_ids, slots, fp2, strict=True):
             pages = cache0.tables.pages[slot]
             if self._mirror_of.get(slot) is not pages:  # a new sequence in this slot
@@ -169,7 +189,16 @@ class Fp2FusedDecode:
             have, need = self._mirror_len[slot], (f + P - 1) // P
             if need > have:
                 self._table[slot, have:need] = torch.tensor(pages[have:need], dtype=torch.int32)
+                if self._table_dev is not None:
+                    self._table_dev[slot, have:need].copy_(self._table[slot, have:need], non_blocking=True)
                 self._mirror_len[slot] = need
+        return slots
+
+    def _meta(self, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> _StepMeta:
+        """The step's DecodeBatch (host bookkeeping, one copy to the device)."""
+        cache0, P, B = self.kv.caches[0], self.page_size, len(seq_ids)
+        fp2 = [self.rule.num_quantized(n) for n in lengths]
+        slots = self._mirror(seq_ids, fp2)
         max_fp2 = max(fp2)
         width = max(1, (max_fp2 + P - 1) // P)
         # One host buffer (pinned on a GPU), one copy to the device: fp2_len, hp_len, hp_slot [B]
@@ -193,6 +222,51 @@ class Fp2FusedDecode:
         )
         return _StepMeta(batch, max_fp2)
 
+    def grid_len(self, max_fp2: int) -> int:
+        """The FP2 length a step's kernel grid is sized for: `length_bucket`, at most the pool."""
+        return min(length_bucket(max_fp2), self.attn.max_fp2_tokens)
+
+    # --- the static path (the whole decode step in one CUDA graph) ------------------------------
+
+    def static_meta(self, bucket: int) -> StaticDecodeMeta:
+        """Static metadata buffers for a bucket of Bp rows (its first use makes the device table)."""
+        if self._table_dev is None:
+            self._table_dev = self._table.to(self.device)
+        i32 = {"dtype": torch.int32, "device": self.device}
+        return StaticDecodeMeta(
+            block_table=torch.zeros(bucket, self._table.shape[1], **i32),
+            fp2_len=torch.zeros(bucket, **i32),
+            hp_len=torch.zeros(bucket, **i32),
+            hp_slot=torch.zeros(bucket, **i32),
+            slot=torch.zeros(bucket, dtype=torch.int64, device=self.device),
+        )
+
+    def fill_static(self, meta: StaticDecodeMeta, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> int:
+        """The step's metadata into `meta` (host bookkeeping, a few small copies, one gather of the
+        block-table rows on the device); rows past B attend to one scratch-slot token of fp2_len 0.
+        Returns the longest FP2 range (which sizes the kernel grid). Empty `seq_ids`: all scratch."""
+        scratch = self.kv.caches[0].scratch_slot
+        fp2 = [self.rule.num_quantized(n) for n in lengths]
+        slots = self._mirror(seq_ids, fp2)
+        pad = meta.fp2_len.shape[0] - len(slots)
+        hp = [n - f for n, f in zip(lengths, fp2, strict=True)]  # sinks + tail: all that is not FP2
+        for dst, vals, fill in (
+            (meta.fp2_len, fp2, 0), (meta.hp_len, hp, 1), (meta.hp_slot, slots, scratch), (meta.slot, slots, 0),
+        ):  # fmt: skip
+            dst.copy_(torch.tensor([*vals, *([fill] * pad)], dtype=dst.dtype), non_blocking=True)
+        torch.index_select(self._table_dev, 0, meta.slot, out=meta.block_table)  # rows past fp2_len unread
+        return max(fp2, default=0)
+
+    def static_call(self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int) -> torch.Tensor:
+        """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
+        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures)."""
+        c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
+        batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
+        kp, vp = c.params
+        x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [Bp, Hq, Dh] stored key space, fp32
+        o = self.attn(x, c.layer, batch, max_len=max_len)
+        return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
+
     def __call__(
         self, layer_idx: int, q: torch.Tensor, seq_ids: tuple[int, ...], lengths: tuple[int, ...]
     ) -> torch.Tensor:
@@ -209,7 +283,7 @@ class Fp2FusedDecode:
             )
         kp, vp = c.params
         x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [B, Hq, Dh] stored key space, fp32
-        o = self.attn(x, c.layer, batch, max_len=meta.max_fp2_len)  # stored value space
+        o = self.attn(x, c.layer, batch, max_len=self.grid_len(meta.max_fp2_len))  # stored value space
         return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
 

@@ -1,9 +1,19 @@
-"""The decode step from static buffers, piecewise: CUDA graphs between the attention calls.
+"""The decode step from static buffers, captured as CUDA graphs.
 
 Shape legend: Bp bucket (padded batch), B decode rows of the step, D hidden, Hq / Hkv heads,
-Dh head dim, V vocab, K top-k, Ly layers.
+Dh head dim, V vocab, K top-k, Ly layers, Lb length bucket (the longest FP2 range, rounded up).
 
-What is captured and what is not (docs/engine.md says it for users):
+Two modes, chosen once at construction (docs/engine.md says it for users):
+
+Whole step (FP2 KV read by the fused kernels, flushing one token at a time: the engine's default
+format): the step is one graph per (Bp, Lb), captured the first time that pair is used. Each
+layer's KV write (`write_decode_static`: fixed shapes, padding rows to a scratch slot) and its
+decode attention (`Fp2FusedDecode.static_call`, the grid sized for Lb) are inside the graph;
+outside it, once per step, only host bookkeeping (pages, lengths, the step's indices and
+metadata, a few small copies into static buffers) and, after the replay, the NaN/Inf flags handed
+to the partition's ledger.
+
+Piecewise (every other KV format): CUDA graphs between the attention calls.
 
     piece 0        embed -> layer 0's norm, q/k/v projections, q/k norms, RoPE        graph
     attention 0    KV write + decode attention of the B real rows                    eager
@@ -12,15 +22,14 @@ What is captured and what is not (docs/engine.md says it for users):
     ...
     piece Ly       the last layer's o_proj + FFN -> final norm -> LM head            graph
 
-The KV write stays eager: runtime/kv's append is host bookkeeping (page allocation, tail flush
-decisions, a finite-check that reads a flag back) around a torch quantizer, and the decode
-attention reads the step's block tables, built on the host each step. Everything between two
-attention calls is static in shape once the batch is padded to a bucket, so it is captured:
-one graph per piece and bucket, Ly + 1 graphs per bucket. Pieces talk only through the static
-buffers (`StaticBuffers`), never through tensors allocated inside a graph.
+There the KV write stays eager (runtime/kv's general append is host bookkeeping around a torch
+quantizer whose shapes vary with the flushes) and the gather + SDPA decode reads a length that
+changes every step. Pieces talk only through the static buffers (`StaticBuffers`), never through
+tensors allocated inside a graph; one graph per piece and bucket, captured at construction.
 
-The same `StaticDecodeStep` runs its pieces eagerly where it does not capture (CPU tests), so
-the padding, bucketing and buffer plumbing are tested without a GPU.
+The same `StaticDecodeStep` runs eagerly where it does not capture (CPU tests), so the padding,
+bucketing, static writes and buffer plumbing are tested without a GPU. Not seen inside a graph:
+phase timers and the KV-quality probe (telemetry of the eager path).
 """
 
 from __future__ import annotations
@@ -102,20 +111,81 @@ class _RoutedInto:
         self.routed_bufs[layer_idx].copy_(topk_idx)
 
 
+class StaticAttention:
+    """One bucket's KV writes and decode attention from static buffers (the whole-step mode).
+
+    Args:
+        kv: the partition (`RuntimeKVPartition` whose caches take `write_decode_static`).
+        fused: its `Fp2FusedDecode`.
+        bucket: Bp.
+        num_layers: Ly.
+    """
+
+    def __init__(self, kv, fused, bucket: int, num_layers: int) -> None:
+        from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
+
+        self.kv, self.fused = kv, fused
+        dev = fused.device
+        self.ix = StaticDecodeIndex.allocate(bucket, dev)
+        self.meta = fused.static_meta(bucket)
+        self.bad = torch.zeros(num_layers, bucket, dtype=torch.bool, device=dev)  # [Ly, Bp]
+        self._rows: tuple[list[int], ...] | None = None
+        self._lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Host bookkeeping of the step (pages and lengths move now; once per step)."""
+        seq_ids, positions = batch.decode_seq_ids, batch.decode_positions
+        self._rows = self.kv.plan_decode_static(seq_ids, positions)
+        self._lengths = (seq_ids, tuple(p + 1 for p in positions))
+
+    def upload(self, scratch: bool = False) -> int:
+        """The planned step (or, `scratch`, a step of padding rows only: what a capture's warm-up
+        may run) into the static buffers; returns the longest FP2 range."""
+        slot, page = self.kv.scratch
+        if scratch:
+            self.ix.fill_scratch(slot, page)
+            return self.fused.fill_static(self.meta, (), ())
+        self.ix.fill(self._rows, slot, page)
+        return self.fused.fill_static(self.meta, *self._lengths)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]."""
+        self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
+        return self.fused.static_call(layer_idx, q, self.meta, max_len)
+
+    def record_nonfinite(self, batch: ForwardBatch) -> None:
+        """Hand the step's flags to the partition's ledger (read with the others at step end)."""
+        B = batch.num_decode
+        for i in range(self.bad.shape[0]):
+            self.kv.nonfinite.record_rows(i, batch.decode_seq_ids, batch.decode_positions, self.bad[i, :B])
+
+
 class StaticDecodeStep:
-    """One bucket's decode step: static buffers and the Ly + 1 pieces between attention calls.
+    """One bucket's decode step: static buffers, and either the Ly + 1 pieces between attention
+    calls or (with `static_attn`) the whole step, one graph per length bucket.
 
     Args:
         model: the rank's transformer.
         eps: per layer, the capturable expert-parallel twin (None for dense layers).
         bucket: Bp, the padded batch size.
+        static_attn: the bucket's `StaticAttention` (whole-step mode), or None (piecewise).
     """
 
-    def __init__(self, model: Transformer, eps: list[ExpertParallel | None], bucket: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        eps: list[ExpertParallel | None],
+        bucket: int,
+        static_attn: StaticAttention | None = None,
+    ) -> None:
         self.model, self.eps, self.bucket = model, eps, bucket
         self.bufs = StaticBuffers.allocate(model, bucket)
         self._timer = _RoutedInto(self.bufs.routed)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.static_attn = static_attn
+        self.whole: dict[int, torch.cuda.CUDAGraph] = {}  # Lb -> the whole step's graph
+        self.capturing = False
+        self.pool = None  # the memory pool every whole-step graph shares (they replay one at a time)
 
     def _piece(self, i: int) -> None:
         """Piece i: the layer before attention i (i = 0: the embedding) and attention i's inputs."""
@@ -160,17 +230,53 @@ class StaticDecodeStep:
         else:
             self.graphs[i].replay()
 
+    def _whole_step(self, max_len: int) -> None:
+        """Every piece and every layer's static attention, in order (captured whole, or eager)."""
+        b = self.bufs
+        for i in range(len(self.model.layers)):
+            self._piece(i)
+            b.o.copy_(self.static_attn(i, b.q, b.k, b.v, max_len))
+        self._piece(len(self.model.layers))
+
+    def _capture_whole(self, max_len: int) -> None:
+        """Warm up and capture the whole step for `max_len`, the static buffers pointing at
+        scratch rows meanwhile (the warm-up runs: it must not write a real sequence's KV)."""
+        self.static_attn.upload(scratch=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._whole_step(max_len)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self._whole_step(max_len)
+        self.whole[max_len] = g
+
     def run(self, batch: ForwardBatch, attn: PagedAttention) -> torch.Tensor:
         """A decode-only batch (B <= Bp rows) -> fp32 logits [B, V], a view of the static buffer
         (valid until this bucket's next step)."""
         m, b, B = self.model, self.bufs, batch.num_decode
         b.token_ids[:B].copy_(batch.token_ids)
         b.positions[:B].copy_(batch.positions)
-        for i in range(len(m.layers)):
-            self._run_piece(i)
-            with m.timer.phase("attention"):
-                b.o[:B].copy_(attn(i, b.q[:B], b.k[:B], b.v[:B], batch))
-        self._run_piece(len(m.layers))
+        if self.static_attn is not None:
+            sa = self.static_attn
+            sa.plan(batch)
+            max_len = sa.fused.grid_len(sa.upload())
+            if self.capturing and max_len not in self.whole:
+                log.info("capturing the decode step for batch bucket %d, FP2 length %d", self.bucket, max_len)
+                self._capture_whole(max_len)
+                sa.upload()  # the step's own indices again
+            if self.capturing:
+                self.whole[max_len].replay()
+            else:
+                self._whole_step(max_len)
+            sa.record_nonfinite(batch)
+        else:
+            for i in range(len(m.layers)):
+                self._run_piece(i)
+                with m.timer.phase("attention"):
+                    b.o[:B].copy_(attn(i, b.q[:B], b.k[:B], b.v[:B], batch))
+            self._run_piece(len(m.layers))
         for idx, routed in enumerate(b.routed):
             if routed is not None:
                 m.timer.routed(idx, routed[:B])
@@ -191,13 +297,16 @@ class DecodeGraphs:
     Args:
         model: the rank's transformer (all experts local: one rank).
         max_batch: the most decode rows of a step (the scheduler's max_num_seqs).
-        capture: capture every bucket's pieces now (GPU); False runs them eagerly (CPU tests).
+        capture: capture (GPU): every bucket's pieces now, or whole steps at their first use;
+            False runs them eagerly (CPU tests).
+        static: (kv partition, fused decode) for the whole-step mode (see module docstring), or
+            None for the piecewise mode.
 
     Raises:
         ConfigError: a layer's experts have no capturable form (expert parallelism across ranks).
     """
 
-    def __init__(self, model: Transformer, *, max_batch: int, capture: bool) -> None:
+    def __init__(self, model: Transformer, *, max_batch: int, capture: bool, static: tuple | None = None) -> None:
         eps = [capturable_ep(layer.ep) if layer.is_moe else None for layer in model.layers]
         missing = [
             layer.idx for layer, ep in zip(model.layers, eps, strict=True) if layer.is_moe and ep is None
@@ -208,8 +317,19 @@ class DecodeGraphs:
                 "cannot be captured; CUDA graphs serve one rank with all experts local for now"
             )
         self.buckets = bucket_sizes(max_batch)
-        self.steps = {bucket: StaticDecodeStep(model, eps, bucket) for bucket in self.buckets}
-        if capture:
+        Ly = len(model.layers)
+        self.steps = {
+            bucket: StaticDecodeStep(
+                model, eps, bucket, None if static is None else StaticAttention(*static, bucket, Ly)
+            )
+            for bucket in self.buckets
+        }
+        if capture and static is not None:  # whole steps: captured at their first use
+            pool = torch.cuda.graph_pool_handle()
+            for step in self.steps.values():
+                step.capturing, step.pool = True, pool
+            log.info("decode steps will be captured whole, per batch bucket %s and FP2 length", list(self.buckets))
+        elif capture:
             t0 = time.perf_counter()
             with torch.inference_mode():  # as Engine.step runs
                 for step in self.steps.values():

@@ -85,10 +85,28 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def convert_once_per_node(model: str, ctx: Any) -> None:
+    """A GGUF model (the packaged one too) is converted to a cached HF-style dir by one rank per
+    node while the others wait: converting dequantizes the whole file, which every rank doing at
+    once would multiply in memory and time. A no-op for other models and for converted files."""
+    from zerodram.runtime.loading.checkpoint import ModelSpec, checkpoint_dir
+    from zerodram.runtime.loading.convert import converted_dir
+
+    spec = ModelSpec.parse(model)
+    if spec.kind != "gguf" or (converted_dir(spec.path) / "model.safetensors").is_file():
+        return
+    if getattr(ctx, "local_rank", 0) == 0:
+        print(f"zerodram: converting {spec.path.name} once (cached for later runs)", file=sys.stderr, flush=True)
+        checkpoint_dir(spec)
+    if getattr(ctx, "world_size", 1) > 1:
+        ctx.barrier(f"{spec.path.name} converted by each node's local rank 0")
+
+
 def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
     """`build_engine` from parsed engine options; falls back to bf16 pages when FP2 is missing."""
     from zerodram.runtime.engine.build import build_engine
 
+    convert_once_per_node(args.model, ctx)
     try:
         engine = build_engine(
             args.model,

@@ -21,7 +21,7 @@ import torch
 
 from zerodram.runtime.engine.kv import NonFiniteLedger
 from zerodram.runtime.errors import ConfigError, ZerodramError
-from zerodram.runtime.kv.cache import zero_nonfinite
+from zerodram.runtime.kv.cache import zero_nonfinite, zero_nonfinite_rows
 from zerodram.runtime.kv.errors import KVCapacityError, KVNonFiniteError
 
 
@@ -149,6 +149,44 @@ class RuntimeKVPartition:
         # no host sync: NaN/Inf rows are stored as zeros and flagged on the device (NonFiniteLedger)
         bad = cache.append_decode(slots, k, v, on_nonfinite="zero")
         self.nonfinite.record_rows(layer_idx, seq_ids, positions, bad)
+
+    # -- fixed-shape decode writes (the whole decode step in one CUDA graph) --
+    @property
+    def static_decode_ok(self) -> bool:
+        """Every layer's cache takes fixed-shape decode writes (FP2 flushing one token at a time)."""
+        return all(getattr(c, "static_decode_ok", False) for c in self.caches)
+
+    def plan_decode_static(self, seq_ids: tuple[int, ...], positions: tuple[int, ...]) -> tuple[list[int], ...]:
+        """Host half of one decode step's writes, every layer: checks, pages and lengths move now;
+        returns the per-row (slot, row, flush, page, page row) lists, the same in every layer
+        (their pools move together; checked)."""
+        plans = []
+        for layer_idx, cache in enumerate(self.caches):
+            slots = [self._slots[s][layer_idx] for s in seq_ids]
+            for seq_id, slot, pos in zip(seq_ids, slots, positions, strict=True):
+                if pos != cache.tables.lens[slot]:
+                    raise ZerodramError(
+                        f"layer {layer_idx} sequence {seq_id}: write at position {pos}, cache holds "
+                        f"{cache.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
+                    )
+            plans.append(cache.plan_decode_static(slots))
+        if any(p != plans[0] for p in plans[1:]):
+            raise ZerodramError("the layers' KV caches have parted: their decode writes differ")
+        return plans[0]
+
+    def write_decode_static(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ix: object, bad: torch.Tensor
+    ) -> None:
+        """Device half, one layer: k, v [Bp, Hkv, Dh] where `ix` (a `StaticDecodeIndex`) says;
+        NaN/Inf rows are stored as zeros and flagged in `bad` [Bp] (no host sync)."""
+        k, v, flags = zero_nonfinite_rows(k, v)
+        bad.copy_(flags)
+        self.caches[layer_idx].write_decode_static(k, v, ix)
+
+    @property
+    def scratch(self) -> tuple[int, int]:
+        """(scratch slot, scratch page) of the caches (the same in every layer)."""
+        return self.caches[0].scratch_slot, self.caches[0].scratch_page
 
     def roundtrip(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor

@@ -18,11 +18,19 @@ class RequestError(ZerodramError):
     """A request the engine refuses; the message says why (it becomes the result's `error`)."""
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature: 0 means greedy. top_p: nucleus mass in (0, 1]. seed: per-request generator seed
+    temperature: 0 (or anything below 1e-5) means greedy. top_p: nucleus mass in (0, 1]. seed: per-request generator seed
     (None: derived from the request id, so runs are reproducible). stop_token_ids: extra stop
     tokens; the model's EOS ids stop too unless `ignore_eos`.
     """
@@ -35,18 +43,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def check(self) -> None:
-        """Raise `RequestError` on an invalid parameter."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise `RequestError` on an invalid parameter (bools are not numbers here)."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if (
-            not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature))
-            or self.temperature < 0
-        ):
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise RequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -57,7 +64,11 @@ class SamplingParams:
             raise RequestError(f"unknown sampling parameter(s) {sorted(extra)}; known: {sorted(known)}")
         kw = dict(d)
         if "stop_token_ids" in kw:
+            if not isinstance(kw["stop_token_ids"], list | tuple):
+                raise RequestError(f"stop_token_ids must be a list of integers, got {kw['stop_token_ids']!r}")
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        if not isinstance(kw.get("ignore_eos", False), bool):
+            raise RequestError(f"ignore_eos must be true or false, got {kw['ignore_eos']!r}")
         params = cls(**kw)
         params.check()
         return params

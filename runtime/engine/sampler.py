@@ -13,10 +13,14 @@ import torch
 
 from zerodram.runtime.engine.request import SamplingParams
 
+# Temperatures below this sample greedily: the distribution is argmax's to within fp32 rounding,
+# and 1 / T would overflow fp32 for the tiniest (torch turns a T below ~1e-45 into 0).
+GREEDY_BELOW = 1e-5
+
 
 def make_generator(params: SamplingParams, request_id: int, device: torch.device) -> torch.Generator | None:
     """The request's generator (None for greedy requests, which draw nothing)."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return None
     seed = params.seed if params.seed is not None else 0x5EED + request_id
     return torch.Generator(device=device).manual_seed(seed)
@@ -36,17 +40,26 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row of `logits` [N, V] (fp32) under each row's params and generator."""
+) -> list[int | None]:
+    """One token per row of `logits` [N, V] (fp32) under each row's params and generator; None for
+    a row whose logits hold NaN/Inf (no token can be drawn from it: the caller fails that request).
+
+    Temperatures below `GREEDY_BELOW` are greedy; others scale the logits after their max is
+    subtracted, so no finite logit overflows to inf (and inf - inf to NaN) on the way.
+    """
     if logits.shape[0] == 0:
         return []
-    greedy = logits.argmax(dim=-1).tolist()  # [N]
-    out = []
+    top, greedy = logits.max(dim=-1)  # [N]
+    finite = torch.isfinite(logits).all(dim=-1)  # [N]
+    greedy_ids, ok = greedy.tolist(), finite.tolist()
+    out: list[int | None] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature == 0 or gen is None:
-            out.append(int(greedy[row]))
-            continue
-        probs = torch.softmax(logits[row].float() / p.temperature, dim=-1)  # [V]
-        probs = top_p_filter(probs, p.top_p)
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        if not ok[row]:
+            out.append(None)
+        elif p.temperature < GREEDY_BELOW or gen is None:
+            out.append(int(greedy_ids[row]))
+        else:
+            z = (logits[row].float() - top[row].float()) / p.temperature  # [V], <= 0, max exactly 0
+            probs = top_p_filter(torch.softmax(z, dim=-1), p.top_p)
+            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out

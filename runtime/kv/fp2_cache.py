@@ -10,6 +10,7 @@ same bf16 tail rows, appending token by token and appending a chunk produce iden
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
+from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
 from zerodram.runtime.kv.pack import pack_codes, unpack_codes
 from zerodram.runtime.kv.params import layer_params
@@ -64,6 +66,43 @@ class _DecodeIndices:
     page_row: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StaticDecodeIndex:
+    """Where a fixed-shape decode write goes, per row of a padded batch [Bp] (int64 on the cache's
+    device, flush bool): hp slot and row of the new token, whether the row flushes its oldest tail
+    token, and that token's page and page row (the scratch page where it does not flush). Padding
+    rows name the scratch slot. Static buffers: a captured graph reads them at every replay."""
+
+    slot: torch.Tensor
+    row: torch.Tensor
+    flush: torch.Tensor
+    page: torch.Tensor
+    page_row: torch.Tensor
+
+    @classmethod
+    def allocate(cls, bucket: int, device: torch.device) -> StaticDecodeIndex:
+        i64 = {"dtype": torch.int64, "device": device}
+        z = [torch.zeros(bucket, **i64) for _ in range(4)]
+        return cls(z[0], z[1], torch.zeros(bucket, dtype=torch.bool, device=device), z[2], z[3])
+
+    def fill(self, rows: tuple[list[int], ...], scratch_slot: int, scratch_page: int) -> None:
+        """Copy (slots, rows, flush, pages, page rows) of B <= Bp rows in; pad with scratch rows.
+        One host-to-device copy per field (they are small)."""
+        slot, row, flush, page, page_row = rows
+        Bp, B = self.slot.shape[0], len(slot)
+        pad = Bp - B
+        for dst, vals, fill in (
+            (self.slot, slot, scratch_slot), (self.row, row, 0), (self.page, page, scratch_page),
+            (self.page_row, page_row, 0),
+        ):  # fmt: skip
+            dst.copy_(torch.tensor([*vals, *([fill] * pad)], dtype=torch.int64), non_blocking=True)
+        self.flush.copy_(torch.tensor([*map(bool, flush), *([False] * pad)]), non_blocking=True)
+
+    def fill_scratch(self, scratch_slot: int, scratch_page: int) -> None:
+        """Every row to the scratch slot and page (before a capture's warm-up runs the writes)."""
+        self.fill(([], [], [], [], []), scratch_slot, scratch_page)
+
+
 @dataclass
 class DecodeIndexMemo:
     """The last decode append's indices (key: layout S, P, F; sequences, rows, flushes). A partition gives all of
@@ -105,12 +144,15 @@ class Fp2KVCache(KVCache):
         if feedback and dev.type == "cuda" and supports_head_dim(D):
             # compile the error-feedback kernel now, not at the first flush (which may be timed)
             load_feedback_kernel(D, dev)
-        self.k = _SidePages(spec.k, self.num_pages, H, P, D, dev)
-        self.v = _SidePages(spec.v, self.num_pages, H, P, D, dev)
+        # One page and one slot past the pool's are never handed out: a fixed-shape decode write
+        # (`write_decode_static`) sends its padding rows and its non-flushing rows there.
+        self.scratch_page, self.scratch_slot = self.num_pages, self.tables.max_seqs
+        self.k = _SidePages(spec.k, self.num_pages + 1, H, P, D, dev)
+        self.v = _SidePages(spec.v, self.num_pages + 1, H, P, D, dev)
         self.rule = tail_rule(spec)
         rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
-        n_slots = self.tables.max_seqs
-        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots, H, hp_rows + 1, D]
+        n_slots = self.tables.max_seqs + 1
+        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots + 1, H, hp_rows + 1, D]
         self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
         self.index_memo = DecodeIndexMemo()  # the owner may replace it with one its caches share
 
@@ -179,6 +221,64 @@ class Fp2KVCache(KVCache):
             if pages.offsets is not None:
                 pages.offsets[srow_page, :, srow] = offsets.to(torch.bfloat16)
             hp[fl_slot, :, S : S + W] = hp[fl_slot, :, S + F : S + F + W]  # the read is a copy
+
+    # -- the fixed-shape decode write (a CUDA graph can capture it) --
+    @property
+    def static_decode_ok(self) -> bool:
+        """Whether `write_decode_static` serves this format: tokens flushed one at a time (F = 1)
+        into channel blocks, so that every decode write has the same shape."""
+        return self.rule.flush == 1 and all(s.block_axis == "channel" for s in (self.spec.k, self.spec.v))
+
+    def plan_decode_static(self, seq_ids: Sequence[int]) -> tuple[list[int], ...]:
+        """Host half of a decode append: check, give pages, advance lengths (as `append_decode`,
+        before the write itself) and return per row (slot, row, flushes, page, page row) lists for
+        `write_decode_static`; a row that does not flush names the scratch page.
+
+        Raises:
+            KVInputError, KVCapacityError: as `append_decode` (nothing changes).
+        """
+        if not self.static_decode_ok:
+            raise ConfigError(f"static decode writes need flush 1 and channel blocks, not {self.spec}")
+        seq_ids = list(seq_ids)
+        for sid in seq_ids:
+            self.tables.check(sid)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
+        pos0 = [self.tables.lens[sid] for sid in seq_ids]
+        self._grow([(sid, self._pages_needed(p, 1)) for sid, p in zip(seq_ids, pos0, strict=True)])
+        S, P = self.spec.num_sinks, self.page_size
+        rows, flush, page, page_row = [], [], [], []
+        for sid, p in zip(seq_ids, pos0, strict=True):
+            f0 = self._flushed(p)
+            rows.append(p if p < S else p - f0)  # sink row, or S + tail length
+            fl = self._flushed(p + 1) > f0
+            flush.append(int(fl))
+            page.append(self.tables.pages[sid][f0 // P] if fl else self.scratch_page)
+            page_row.append(f0 % P if fl else 0)
+            self.tables.lens[sid] = p + 1
+        return seq_ids, rows, flush, page, page_row
+
+    def write_decode_static(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex) -> None:
+        """Device half: k, v [Bp, H, D] (finite) written where `ix` says, in a fixed number of ops
+        with fixed shapes and no host sync. Per row: the token to its row; then the oldest tail row
+        quantized into (page, page row) and the tail moved up, where it flushes; elsewhere the same
+        quantization lands in the scratch page and the tail stays. The same cache contents as
+        `append_decode` of the real rows (tests/test_kv_cache.py)."""
+        S, W = self.spec.num_sinks, self.rule.window
+        keep = ~ix.flush[:, None, None, None]  # [Bp, 1, 1, 1]
+        for pages, hp, side, params, x in (
+            (self.k, self.hp_k, self.spec.k, self.params[0], k),
+            (self.v, self.hp_v, self.spec.v, self.params[1], v),
+        ):
+            hp[ix.slot, :, ix.row] = to_stored_space(x, params).to(torch.bfloat16)  # [Bp, H, D]
+            codes, scales, offsets = quantize_stored(hp[ix.slot, :, S].float(), side, params)  # oldest tail row
+            pages.codes[ix.page, :, ix.page_row] = pack_codes(codes)  # [Bp, H, D/16]
+            pages.scales[ix.page, :, ix.page_row] = encode_scale(scales, side.scale_dtype)
+            if pages.offsets is not None:
+                pages.offsets[ix.page, :, ix.page_row] = offsets.to(torch.bfloat16)
+            if W:
+                tail = hp[ix.slot, :, S : S + W]  # [Bp, H, W, D] (a copy)
+                hp[ix.slot, :, S : S + W] = torch.where(keep, tail, hp[ix.slot, :, S + 1 : S + 1 + W])
 
     def _decode_indices(self, seq_ids: list[int], pos0: list[int]) -> _DecodeIndices:
         """The device index tensors of a decode append; every layer of a step asks for the same

@@ -1,10 +1,13 @@
 """GGUF checkpoints through the `gguf` package: config, tensors (dequantized on read), tokenizer.
 
 Architectures: `llama` (dense Llama/SmolLM, and MoE llama-arch files such as Mixtral's, whose
-experts are stacked `ffn_*_exps` tensors). Tensors are exposed under Hugging Face names so the one
-weight builder (`weights.py`) serves both formats; llama.cpp's interleaved q/k row order for RoPE
-is undone on read. Stacked experts are sliced on the quantized bytes before dequantizing, so a rank
-dequantizes only its own experts.
+experts are stacked `ffn_*_exps` tensors), `qwen2`, `qwen3` (q/k norms), `qwen2moe` (a gated shared
+expert) and `qwen3moe`. Tensors are exposed under Hugging Face names so the one weight builder
+(`weights.py`) serves both formats; llama.cpp's interleaved q/k row order for RoPE, which its
+converter applies to the llama architecture only, is undone on read. A read of one expert of a stacked tensor slices the quantized bytes before
+dequantizing. The engine does not read GGUF per rank: `convert_gguf` dequantizes the whole file
+once per node into a cached safetensors dir (`jobs.convert_once_per_node`: local rank 0 converts,
+the others wait), from which each rank memory-maps only its own experts.
 
 Tokenizer: GGUF `gpt2` (byte-level BPE) vocabularies are rebuilt as a `tokenizers` BPE with the
 same pre-tokenizer and decoder transformers builds for them.
@@ -40,7 +43,20 @@ _BLOCK = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # qwen2moe
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# GGUF architecture -> Hugging Face model_type (llama with experts is Mixtral)
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# HF tensors whose GGUF form may drop a leading 1 (the shared expert's [1, D] sigmoid gate)
+_ROW_VECTORS = ("mlp.shared_expert_gate.weight",)
 _STACKED = {
     "ffn_gate_exps.weight": "gate_proj",
     "ffn_up_exps.weight": "up_proj",
@@ -74,9 +90,9 @@ class GGUFFile:
         except (ValueError, OSError) as err:
             raise ConfigError(f"{self.path}: not a readable GGUF file: {err}") from None
         self.arch = _field(self.reader, "general.architecture")
-        if self.arch != "llama":
+        if self.arch not in _ARCHS:
             raise ConfigError(
-                f"{self.path}: GGUF architecture {self.arch!r} not supported (supported: llama)"
+                f"{self.path}: GGUF architecture {self.arch!r} not supported (supported: {sorted(_ARCHS)})"
             )
         self._hf = self.hf_config()
         self._tensors: dict[str, Any] = {}
@@ -95,23 +111,19 @@ class GGUFFile:
                 self._tensors[f"model.layers.{layer}.{_BLOCK[rest]}"] = t
 
     def hf_config(self) -> dict[str, Any]:
-        """The checkpoint's config in Hugging Face `config.json` spelling (llama or mixtral)."""
-        r, a = self.reader, "llama"
-        if _field(r, f"{a}.rope.scaling.type") not in (None, "none"):
-            kind = _field(r, f"{a}.rope.scaling.type")
-            if kind != "linear":
-                raise ConfigError(f"{self.path}: GGUF rope scaling {kind!r} not supported")
+        """The checkpoint's config in Hugging Face `config.json` spelling."""
+        r, a = self.reader, self.arch
         if any(t.name == "rope_freqs.weight" for t in r.tensors):
             raise ConfigError(f"{self.path}: llama3 rope frequency tensors in GGUF are not supported")
         heads = int(_field(r, f"{a}.attention.head_count"))
         hidden = int(_field(r, f"{a}.embedding_length"))
         tokens = r.fields.get("tokenizer.ggml.tokens")
         cfg: dict[str, Any] = {
-            "model_type": "llama",
+            "model_type": _ARCHS[a],
             "hidden_act": "silu",
             "vocab_size": int(_field(r, f"{a}.vocab_size", len(tokens.data) if tokens else 0)),
             "hidden_size": hidden,
-            "intermediate_size": int(_field(r, f"{a}.feed_forward_length")),
+            "intermediate_size": int(_field(r, f"{a}.feed_forward_length", 0)),
             "num_hidden_layers": int(_field(r, f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(_field(r, f"{a}.attention.head_count_kv", heads)),
@@ -123,17 +135,33 @@ class GGUFFile:
             "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
             "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         }
-        if _field(r, f"{a}.rope.scaling.type") == "linear":
-            cfg["rope_scaling"] = {
-                "rope_type": "linear",
-                "factor": float(_field(r, f"{a}.rope.scaling.factor")),
-            }
-        if _field(r, f"{a}.expert_count"):
+        scaling = _field(r, f"{a}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling not in ("linear", "yarn"):
+                raise ConfigError(f"{self.path}: GGUF rope scaling {scaling!r} not supported (linear, yarn)")
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(_field(r, f"{a}.rope.scaling.factor"))}
+            if scaling == "yarn":
+                original = _field(r, f"{a}.rope.scaling.original_context_length")
+                if original is not None:
+                    cfg["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        experts = int(_field(r, f"{a}.expert_count", 0) or 0)
+        if a == "llama" and experts:
+            cfg.update(model_type="mixtral", num_local_experts=experts)
+        if experts:
+            cfg["num_experts_per_tok"] = int(_field(r, f"{a}.expert_used_count"))
+        if a in ("qwen2moe", "qwen3moe"):
             cfg.update(
-                model_type="mixtral",
-                num_local_experts=int(_field(r, f"{a}.expert_count")),
-                num_experts_per_tok=int(_field(r, f"{a}.expert_used_count")),
+                num_experts=experts,
+                moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
+                # llama.cpp renormalises the top-k of qwen3moe, not of qwen2moe, unless the file says
+                norm_topk_prob=bool(_field(r, f"{a}.expert_weights_norm", a == "qwen3moe")),
             )
+            if a == "qwen2moe":
+                cfg["shared_expert_intermediate_size"] = int(
+                    _field(r, f"{a}.expert_shared_feed_forward_length", 0)
+                )
+        if a.startswith("qwen2"):
+            cfg["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in r.tensors)
         return cfg
 
     def config_dict(self) -> dict[str, Any]:
@@ -150,7 +178,8 @@ class GGUFFile:
         if name in self._experts:
             t, _ = self._experts[name]
             return tuple(int(s) for s in reversed(t.shape[:-1]))
-        return tuple(int(s) for s in reversed(self._tensor(name).shape))
+        shape = tuple(int(s) for s in reversed(self._tensor(name).shape))
+        return (1, *shape) if name.endswith(_ROW_VECTORS) and len(shape) == 1 else shape
 
     def _tensor(self, name: str) -> Any:
         try:
@@ -169,8 +198,8 @@ class GGUFFile:
         else:
             t = self._tensor(name)
             full = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-            full = full.reshape(tuple(int(s) for s in reversed(t.shape)))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            full = full.reshape(self.shape(name))
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = (
                     self._hf["num_attention_heads"] if "q_proj" in name else self._hf["num_key_value_heads"]
                 )
@@ -196,18 +225,39 @@ def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# Qwen2/3's split pattern (their tokenizer.json), for GGUF files whose `tokenizer.ggml.pre` is
+# "qwen2": single digits, letters with one leading non-letter, contractions, newline runs.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def gguf_tokenizer_json(reader: Any, path: Path) -> str:
-    """Rebuild a GGUF `gpt2` vocabulary as a `tokenizers` byte-level BPE (JSON string)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """Rebuild a GGUF `gpt2` vocabulary as a `tokenizers` byte-level BPE (JSON string). The
+    pre-tokenizer follows `tokenizer.ggml.pre`: Qwen's split for "qwen2", GPT-2's otherwise."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ConfigError(f"{path}: GGUF tokenizer model {kind!r} not supported (supported: gpt2)")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    if not tokens:
+        raise ConfigError(f"{path}: GGUF has no tokenizer.ggml.tokens (the vocabulary)")
+    # no merges: a vocabulary of whole tokens (writers omit an empty array)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if _field(reader, "tokenizer.ggml.pre") == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # CONTROL (3) tokens are special; USER_DEFINED (4) are added but not special.
     tok.add_special_tokens(

@@ -22,7 +22,7 @@ from typing import Any
 
 from zerodram.runtime.errors import ConfigError
 
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 ROUTER_KINDS = ("softmax_topk", "dense_slices")
 
 
@@ -30,8 +30,11 @@ ROUTER_KINDS = ("softmax_topk", "dense_slices")
 class RopeScaling:
     """RoPE frequency scaling as the checkpoint states it.
 
-    kind: "default" (none), "linear" (positions divided by `factor`) or "llama3" (low frequencies
-    divided by `factor`, a smooth ramp between `low_freq_factor` and `high_freq_factor`).
+    kind: "default" (none), "linear" (positions divided by `factor`), "llama3" (low frequencies
+    divided by `factor`, a smooth ramp between `low_freq_factor` and `high_freq_factor`) or "yarn"
+    (frequencies below `beta_slow` rotations over the original context interpolated by `factor`,
+    above `beta_fast` kept, a linear ramp between; cos/sin scaled by `attention_factor`, which
+    defaults to YaRN's 0.1 ln(factor) + 1, or its mscale / mscale_all_dim ratio when both are set).
     """
 
     kind: str = "default"
@@ -39,6 +42,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
@@ -272,14 +281,21 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
         raise ConfigError(f"rope type {kind!r} not supported (supported: {ROPE_KINDS})", path=source)
     if kind == "default":
         return theta, RopeScaling()
+    original = int(merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)))
+    factor = merged.get("factor")
+    if factor is None and kind == "yarn":  # DeepSeek-V3 style: the ratio of the two context lengths
+        factor = cfg.get("max_position_embeddings", original) / original
+    optional = {k: merged.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
     return theta, RopeScaling(
         kind=kind,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        **{k: None if v is None else float(v) for k, v in optional.items()},
     )
 
 

@@ -208,19 +208,38 @@ def make_expert_parallel(
     top_k: int = 0,
     max_tokens_per_rank: int = 0,
     backend: str | None = None,
+    session: object | None = None,
 ) -> ExpertParallel:
     """The expert-parallel layer for one MoE layer.
 
     World size 1: `LocalExperts`. Otherwise runtime/moe's `EpMoELayer` (torch.distributed or
-    NVSHMEM backend, chosen once by its `create`) when a rank context is given, else the
-    `AllGatherEP` stopgap. `backend="allgather"` forces the stopgap.
+    NVSHMEM backend, chosen once by its `create`; `session`: a shared NVSHMEM session) when a rank
+    context is given, else the `AllGatherEP` stopgap. `backend="allgather"` forces the stopgap.
+    A model's layers are built through `ExpertParallelWorld`, which shares what they can.
     """
     if world_size == 1:
         return LocalExperts(experts, timer)
     if ctx is None or backend == "allgather":
         return AllGatherEP(experts, world_size, rank, timer=timer)
-    from zerodram.runtime.comm import ExpertPlacement as CommPlacement
     from zerodram.runtime.moe.layer import EpMoELayer
+
+    layer = EpMoELayer.create(
+        ctx,
+        experts,
+        num_experts=len(expert_to_rank),
+        top_k=top_k,
+        max_tokens_per_rank=max_tokens_per_rank,
+        placement=_placement(ctx, rank, world_size, expert_to_rank),
+        backend=backend,
+        session=session,
+    )
+    return _TimedEP(layer, timer)
+
+
+def _placement(ctx: object, rank: int, world_size: int, expert_to_rank: tuple[int, ...]):
+    """The comm layer's placement: the experts' ranks, and the topology's ring order when the
+    topology places this model's experts."""
+    from zerodram.runtime.comm import ExpertPlacement as CommPlacement
 
     topo = getattr(ctx, "topology", None)
     ring = ()
@@ -228,17 +247,98 @@ def make_expert_parallel(
         expert_to_rank
     ):
         ring = tuple(topo.ring.peers(rank))
-    placement = CommPlacement(rank, world_size, tuple(expert_to_rank), ring_peers=ring)
-    layer = EpMoELayer.create(
-        ctx,
-        experts,
-        num_experts=len(expert_to_rank),
-        top_k=top_k,
-        max_tokens_per_rank=max_tokens_per_rank,
-        placement=placement,
-        backend=backend,
-    )
-    return _TimedEP(layer, timer)
+    return CommPlacement(rank, world_size, tuple(expert_to_rank), ring_peers=ring)
+
+
+class ExpertParallelWorld:
+    """Builds every MoE layer's expert parallelism on this rank (a `Transformer`'s `make_ep`) and
+    owns what the layers share and how long it lives.
+
+    The backend is resolved once. On GPUs with the NVSHMEM backend, one `NvshmemSession` serves
+    every layer's communicator, its symmetric heap sized for all of them: NVSHMEM is initialised
+    once per process, and a session per layer would initialise it once per layer. `close()` ends
+    the layers' communicators in layer order, then the session; it is collective (every rank
+    closes) and idempotent.
+
+    Hazard: NVSHMEM's init, symmetric allocation and barrier_all wait for every PE without a
+    timeout. So each of those steps is preceded by the context's bounded host barrier, which
+    names the step: a rank that failed earlier (a bad checkpoint, out of memory) turns into a
+    `RankTimeoutError` on the others instead of a hang.
+
+    Args:
+        ctx: the rank context (None: one process, all experts local).
+        timer: the model's phase timer.
+        expert_to_rank, top_k, hidden: the model's experts and shapes.
+        max_tokens_per_rank: the most tokens one step sends through a MoE layer (buffer sizing).
+        num_moe_layers: how many layers will be built (the shared heap's size).
+        backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
+    """
+
+    def __init__(
+        self,
+        ctx: object | None,
+        timer: PhaseTimer = NULL_TIMER,
+        *,
+        expert_to_rank: tuple[int, ...] | None,
+        top_k: int,
+        hidden: int,
+        max_tokens_per_rank: int,
+        num_moe_layers: int,
+        backend: str | None = None,
+    ) -> None:
+        self.ctx, self.timer = ctx, timer
+        self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
+        self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
+        self.backend, self.session = backend, None
+        self.built: list[ExpertParallel] = []
+        if self.world_size == 1 or ctx is None or backend == "allgather":
+            return
+        from zerodram.runtime.comm import EpLayout, resolve_backend
+
+        self.backend = resolve_backend(ctx, backend)
+        if self.backend == "nvshmem" and num_moe_layers:
+            from zerodram.runtime.comm.nvshmem_comm import heap_bytes
+            from zerodram.runtime.comm.nvshmem_session import NvshmemSession
+
+            placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
+            layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
+            self._rendezvous("NVSHMEM init")
+            self.session = NvshmemSession.create(ctx, heap_bytes=heap_bytes(layout, num_moe_layers))
+
+    def _rendezvous(self, what: str) -> None:
+        """The context's bounded barrier before an NVSHMEM collective (see the class hazard)."""
+        barrier = getattr(self.ctx, "barrier", None)
+        if self.backend == "nvshmem" and barrier is not None:
+            barrier(what)
+
+    def __call__(self, layer_idx: int, experts: ExpertWeights) -> ExpertParallel:
+        self._rendezvous(f"EP buffers of MoE layer {layer_idx}")
+        ep = make_expert_parallel(
+            experts,
+            self.world_size,
+            self.rank,
+            self.timer,
+            ctx=self.ctx,
+            expert_to_rank=self.expert_to_rank,
+            top_k=self.top_k,
+            max_tokens_per_rank=self.max_tokens,
+            backend=self.backend,
+            session=self.session,
+        )
+        self.built.append(ep)
+        return ep
+
+    def close(self) -> None:
+        if self.built:
+            self._rendezvous("closing the EP layers")
+        for ep in self.built:
+            close = getattr(ep, "close", None)
+            if close is not None:
+                close()
+        self.built = []
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
 class _TimedEP:
@@ -251,6 +351,9 @@ class _TimedEP:
     def __init__(self, layer: EpMoELayer, timer: PhaseTimer) -> None:
         self.layer = layer
         self.timer = timer
+
+    def close(self) -> None:
+        self.layer.close()
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         from zerodram.runtime.moe.experts import grouped_swiglu

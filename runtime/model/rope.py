@@ -31,7 +31,40 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if scaling.kind == "yarn":
+        # Pair i turns head_dim / (2 pi) * ... times over the original context; pairs that turn
+        # fewer than beta_slow times are interpolated (divided by factor), more than beta_fast kept.
+        base, old_len = theta, scaling.original_max_position_embeddings
+
+        def pair_at(rotations: float) -> float:
+            return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = pair_at(scaling.beta_fast), pair_at(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a zero-width ramp
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # [Dh/2] 1: extrapolated (kept), 0: interpolated
+        pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # 1 / inv
+        return 1.0 / (scaling.factor * pos_freqs) * (1 - keep) + inv * keep
     return inv
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+    """The factor on cos/sin (YaRN's mscale; 1 for the other kinds)."""
+    if scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -44,12 +77,16 @@ class Rope:
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, device: torch.device) -> None:
         self.inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)  # [Dh/2] fp32
+        self.scale = attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, Dh] for integer `positions` [T]."""
+        """cos, sin [T, 1, Dh] for integer `positions` [T] (times the attention factor, in fp32)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor

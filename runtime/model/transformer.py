@@ -133,7 +133,8 @@ class Transformer:
         config: the model's shapes.
         weights: canonical-name tensors on `device`, this rank's experts only.
         make_ep: builds the expert-parallel layer of MoE layer i from its local experts
-            (default: all experts local, no communication).
+            (default: all experts local, no communication); if it has a `close()`, the model's
+            `close()` calls it (it owns what it built).
         timer: per-phase timing hooks (default: none).
 
     Raises:
@@ -150,6 +151,7 @@ class Transformer:
         self.config = config
         self.timer = timer
         make_ep = make_ep or (lambda _idx, experts: LocalExperts(experts, timer))
+        self._make_ep = make_ep
         try:
             self.embed = weights["embed"]
             self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]
@@ -165,6 +167,13 @@ class Transformer:
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
+
+    def close(self) -> None:
+        """End what `make_ep` built (communicators, an NVSHMEM session): collective across ranks
+        where those are. Idempotent."""
+        close = getattr(self._make_ep, "close", None)
+        if close is not None:
+            close()
 
     def forward(self, batch: ForwardBatch, attn: PagedAttention) -> torch.Tensor:
         """Run every layer over the batch; returns fp32 logits [N, V] for `batch.logits_rows`."""

@@ -73,6 +73,7 @@ class EpMoELayer:
         shared: SharedExpertWeights | None = None,
         wire: str = "bf16",
         backend: str | None = None,
+        session: Any = None,
     ) -> EpMoELayer:
         """Build layout, communicator and layer for this rank.
 
@@ -82,7 +83,7 @@ class EpMoELayer:
                 model's ExpertWeights).
             placement: default: contiguous blocks of experts, rank order ring.
             router: default: softmax top-k with renormalisation.
-            wire, backend: see `EpLayout` and `create_communicator`.
+            wire, backend, session: see `EpLayout` and `create_communicator`.
         """
         placement = placement or ExpertPlacement.contiguous(ctx.rank, ctx.world_size, num_experts)
         hidden = int(experts.w_gate.shape[2]) if len(experts.expert_ids) else int(gate_weight.shape[1])
@@ -93,7 +94,7 @@ class EpMoELayer:
             if isinstance(experts, ExpertShard)
             else ExpertShard(tuple(experts.expert_ids), experts.w_gate, experts.w_up, experts.w_down)
         )
-        comm = create_communicator(ctx, layout, router, backend)
+        comm = create_communicator(ctx, layout, router, backend, session)
         return cls(comm, shard, gate_weight=gate_weight, shared=shared)
 
     @property
