@@ -130,11 +130,7 @@ class KVCache(ABC):
         """
         if on_nonfinite not in ("raise", "zero"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'zero', got {on_nonfinite!r}")
-        seq_ids = list(seq_ids)
-        for sid in seq_ids:
-            self.tables.check(sid)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
+        seq_ids = self._decode_seqs(seq_ids)
         self._check_pair(k, v)
         if k.shape[0] != len(seq_ids):
             raise KVInputError(f"K and V are {tuple(k.shape)}, need [{len(seq_ids)}, H, D]: one row per sequence")
@@ -151,6 +147,15 @@ class KVCache(ABC):
         for sid, p in zip(seq_ids, pos0, strict=True):
             self.tables.lens[sid] = p + 1
         return bad
+
+    def _decode_seqs(self, seq_ids: Sequence[int]) -> list[int]:
+        """The sequences of a decode append, checked: open and each named once."""
+        seq_ids = list(seq_ids)
+        for sid in seq_ids:
+            self.tables.check(sid)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
+        return seq_ids
 
     def _check_pair(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_input(k, "K")

@@ -18,7 +18,6 @@ import torch
 from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
-from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
 from zerodram.runtime.kv.pack import pack_codes, unpack_codes
 from zerodram.runtime.kv.params import layer_params
@@ -239,11 +238,7 @@ class Fp2KVCache(KVCache):
         """
         if not self.static_decode_ok:
             raise ConfigError(f"static decode writes need flush 1 and channel blocks, not {self.spec}")
-        seq_ids = list(seq_ids)
-        for sid in seq_ids:
-            self.tables.check(sid)
-        if len(set(seq_ids)) != len(seq_ids):
-            raise KVInputError(f"a decode append names a sequence twice: {seq_ids}")
+        seq_ids = self._decode_seqs(seq_ids)
         pos0 = [self.tables.lens[sid] for sid in seq_ids]
         self._grow([(sid, self._pages_needed(p, 1)) for sid, p in zip(seq_ids, pos0, strict=True)])
         S, P = self.spec.num_sinks, self.page_size
