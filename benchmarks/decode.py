@@ -25,7 +25,12 @@ Two paths, each on its own KV and communicator, the same weights and inputs:
                baseline); router in torch, then the host-driven dispatch (counts exchange, host
                sync, all_to_all_single)
 
-Not timed in either: the append of the new token's K/V (`zerodram bench attention` times it).
+The attention stage includes the new token's K/V write, as the engine does it: fp2-fused writes
+into an `Fp2KVCache` of the engine's default format (`DEFAULT_FP2`: bf16 window, one token
+flushed per step with error feedback; a random feedback factor, since the values do not change
+the work) through its fixed-shape decode write (`write_decode_static`, what the engine's CUDA
+graph captures; the host plan runs before the pass); bf16-host stores the row into its
+contiguous cache. `kv_write_ms` is the write alone (median of isolated writes, device time).
 Timing: on a GPU, CUDA events between the stages of one pass (no sync inside it), a 256 MB L2
 flush before each pass, warm-up, median per stage; on CPU, perf_counter (ops are synchronous).
 Physical floor, per stage and in total: bytes that must move over their bandwidth:
@@ -222,6 +227,7 @@ class LayerBench:
         comm.check()
         med = {s: statistics.median(v) for s, v in samples.items()}
         graph_ms = self._graph_total(path, x, positions, kv, comm, iters) if path == "fp2-fused" else None
+        write_ms = self._write_ms(path, kv, B, iters)
         floors = self._floors(path, B, L, topk_idx)
         # which attention kernel variant ran (fp2 path: kv = (Fp2DecodeAttention, ...))
         keys = ("int8" if kv[0].key_s8 else "fp16") if path == "fp2-fused" and kv[0].on_gpu else None
@@ -240,6 +246,8 @@ class LayerBench:
             **{f"{s}_ms": round(med[s], 4) for s in (*STAGES, "total")},
             **{f"{s}_floor_ms": round(floors[s], 4) for s in (*STAGES, "total")},
             "floor_ratio": round(med["total"] / floors["total"], 3),
+            "kv_write_ms": round(write_ms, 4),  # inside attention_ms; see the module docstring
+            "kv_write_format": "DEFAULT_FP2 static write" if path == "fp2-fused" else "bf16 row store",
             # the whole pass replayed from one CUDA graph (device time; None: not capturable here,
             # e.g. the host path, which syncs the host inside dispatch)
             "total_graph_ms": None if graph_ms is None else round(graph_ms, 4),
@@ -321,7 +329,36 @@ class LayerBench:
         # The cache's stored space: a random rotation per side and unit anchors (values don't matter).
         rot = torch.linalg.qr(torch.randn(2, cfg.head_dim, cfg.head_dim, device=self.dev, generator=gen))[0]
         anchor = torch.ones(cfg.num_kv_heads, cfg.head_dim, device=self.dev)
-        return attn, layer, batch, rot, anchor, n_fp2
+        return attn, layer, batch, rot, anchor, n_fp2, self._fp2_writer(B, L, gen)
+
+    def _fp2_writer(self, B: int, L: int, gen: Any) -> tuple:
+        """(cache, static index) for the engine's decode write of B sequences that hold L tokens:
+        an `Fp2KVCache` of `DEFAULT_FP2` whose block tables name one page per FP2 page of the
+        sequence (the write touches only the current one), positioned at L."""
+        import torch
+
+        from zerodram.runtime.kv.cache import make_kv_cache
+        from zerodram.runtime.kv.format import DEFAULT_FP2
+        from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
+
+        H, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        cache = make_kv_cache(
+            DEFAULT_FP2, num_pages=3 * B + 1, page_size=PAGE, num_kv_heads=H, head_dim=D, max_seqs=B,
+            device=self.dev,
+        )  # fmt: skip
+        factor = torch.eye(D, device=self.dev) + 0.1 * torch.randn(H, D, D, device=self.dev, generator=gen).tril(-1)
+        cache.params = tuple(
+            dataclasses.replace(p, feedback=factor) if side.feedback else p
+            for p, side in zip(cache.params, (cache.spec.k, cache.spec.v), strict=True)
+        )
+        for _ in range(B):
+            sid = cache.new_sequence()
+            page = cache.allocator.allocate(1)[0]
+            cache.tables.pages[sid] = [page] * cache._pages_needed(L, 0)
+            cache.tables.lens[sid] = L
+        ix = StaticDecodeIndex.allocate(B, self.dev)
+        ix.fill(cache.plan_decode_static(range(B)), cache.scratch_slot, cache.scratch_page)
+        return cache, ix
 
     def _bf16_kv(self, B: int, L: int, gen: Any) -> tuple:
         import torch
@@ -342,12 +379,13 @@ class LayerBench:
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         q = F.linear(h, w["q"], w.get("q_bias")).view(B, Hq, Dh)  # [B, Hq, Dh]
         k = F.linear(h, w["k"], w.get("k_bias")).view(B, Hkv, Dh)  # [B, Hkv, Dh]
-        _v = F.linear(h, w["v"], w.get("v_bias"))  # the new token's V (its append is not timed)
+        v = F.linear(h, w["v"], w.get("v_bias")).view(B, Hkv, Dh)
         if "q_norm" in w:
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q, k = self.rope.apply(q, k, positions)
+        self._write(path, kv, k, v)
         if path == "fp2-fused":
-            attn, layer, batch, rot, anchor, n_fp2 = kv
+            attn, layer, batch, rot, anchor, n_fp2, _ = kv
             G = Hq // Hkv
             o = attn(prepare_query(q, rot[0], anchor, G), layer, batch, max_len=max(n_fp2, 1))  # [B, Hq, Dh]
             o = finish_output(o, rot[1], anchor, G)
@@ -357,6 +395,31 @@ class LayerBench:
                 q[:, :, None, :], k_cache, v_cache, enable_gqa=True
             )[:, :, 0, :]  # [B, Hq, Dh]
         return x + F.linear(o.reshape(B, Hq * Dh).to(x.dtype), w["o"])
+
+    def _write(self, path: str, kv: tuple, k: Any, v: Any) -> None:
+        """The new token's K/V into the path's cache (k, v [B, Hkv, Dh]; see the module docstring)."""
+        if path == "fp2-fused":
+            cache, ix = kv[-1]
+            cache.write_decode_static(k, v, ix)  # the same row every pass: the work is what counts
+        else:
+            k_cache, v_cache = kv
+            k_cache[:, :, -1] = k
+            v_cache[:, :, -1] = v
+
+    def _write_ms(self, path: str, kv: tuple, B: int, iters: int) -> float:
+        """Median device ms of the K/V write alone (after a warm-up)."""
+        import torch
+
+        cfg = self.cfg
+        k = torch.randn(B, cfg.num_kv_heads, cfg.head_dim, device=self.dev).to(torch.bfloat16)
+        times = []
+        for i in range(iters + 3):
+            marks = _Marks(self.dev)
+            self._write(path, kv, k, k)
+            marks.mark()
+            if i >= 3:
+                times.append(marks.elapsed_ms()[0])
+        return statistics.median(times)
 
     def _dispatch(self, path: str, h: Any, comm: Any) -> tuple:
         from zerodram.runtime.model.transformer import rms_norm
@@ -508,7 +571,7 @@ def _print_tables(rows: list[dict], bench: LayerBench) -> None:
     print(f"{'path':9} {'B':>4} | " + " | ".join(f"{s:>17}" for s in (*STAGES, "total")))
     for r in (r for r in rows if r["L"] == L):
         cells = " | ".join(f"{r[s + '_ms']:>8.3f} ({r[s + '_floor_ms']:>6.3f})" for s in (*STAGES, "total"))
-        print(f"{r['path']:9} {r['B']:>4} | {cells}")
+        print(f"{r['path']:9} {r['B']:>4} | {cells} | K/V write alone {r['kv_write_ms']:.3f}")
     print("floors: attention = (q/k/v/o weights + KV) / bandwidth; experts = (router + routed experts) / "
           "bandwidth; dispatch, combine = B*K bf16 rows / (copy bandwidth / 2), one rank")  # fmt: skip
 
