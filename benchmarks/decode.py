@@ -344,7 +344,7 @@ class LayerBench:
         H, D = self.cfg.num_kv_heads, self.cfg.head_dim
         cache = make_kv_cache(
             DEFAULT_FP2, num_pages=3 * B + 1, page_size=PAGE, num_kv_heads=H, head_dim=D, max_seqs=B,
-            device=self.dev,
+            max_pages_per_seq=L // PAGE + 2, device=self.dev,
         )  # fmt: skip
         factor = torch.eye(D, device=self.dev) + 0.1 * torch.randn(H, D, D, device=self.dev, generator=gen).tril(-1)
         cache.params = tuple(

@@ -112,6 +112,7 @@ class RankContext:
         self.topology = topology
         self.timeout_s = timeout_s
         self._closed = False
+        self._cpu_group = None
 
     @classmethod
     def create(
@@ -195,15 +196,26 @@ class RankContext:
         )
         return cls(env, dev, backend, None, timeout_s)
 
+    @property
+    def cpu_group(self):
+        """A gloo process group over every rank, for host-side control and bounded barriers: the
+        default group on gloo, a second group beside NCCL (made collectively at first use, which
+        every rank reaches at the same point of the program)."""
+        import torch.distributed as dist
+
+        if self.backend != "nccl":
+            return None  # the default group
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._cpu_group
+
     def barrier(self, what: str) -> None:
-        """A bounded barrier; on expiry raises `RankTimeoutError` naming rank and purpose."""
+        """A bounded barrier; on expiry raises `RankTimeoutError` naming rank and purpose (gloo's
+        monitored barrier, on `cpu_group` beside NCCL, whose own barrier has no bound)."""
         import torch.distributed as dist
 
         try:
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.timeout_s))
+            dist.monitored_barrier(group=self.cpu_group, timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
             raise RankTimeoutError(
                 f"rank {self.rank}/{self.world_size} waited {self.timeout_s:g}s at barrier "

@@ -15,3 +15,16 @@ def canonical_device(device: torch.device | str) -> torch.device:
     if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+_CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def constant_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level constant `t` on `device`, copied there once: later calls make no copy, so a
+    CUDA graph capture may run them (a copy from pageable host memory is refused while capturing).
+    Only for tensors that live as long as the process (module constants)."""
+    key = (id(t), canonical_device(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = t.to(device)
+    return _CONSTANTS[key]

@@ -71,6 +71,11 @@ def test_tiny_temperatures_tend_to_greedy_and_bad_rows_draw_nothing() -> None:
     assert sample(logits, params, gens) == [int(logits[0].argmax()), None, None]
     # 5e-324 (the smallest double, 0 in fp32) on a finite row: greedy, not 0 / 0 = NaN
     assert sample(logits[:1], params[1:2], gens[1:2]) == [int(logits[0].argmax())]
+    # -inf masks a token (drawn around it); a row of nothing but -inf has nothing to draw
+    masked = torch.tensor([[0.0, float("-inf"), 1.0], [float("-inf")] * 3])
+    warm = SamplingParams(temperature=1.0, seed=3)
+    draws = sample(masked, [warm, warm], [make_generator(warm, 0, CPU), make_generator(warm, 1, CPU)])
+    assert draws[0] in (0, 2) and draws[1] is None
     # a small temperature above it on logits near fp32's limit: max subtracted first, no inf
     huge = torch.tensor([[3e38, 2.9e38, -3e38]])
     cold = SamplingParams(temperature=2e-5, seed=2)

@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
     const float cand_lo = lane < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane])) : 0.f;
     const float cand_hi = lane + 32 < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
     float best_err = __int_as_float(0x7f800000);
-    scale = 0.f;
+    scale = __shfl_sync(kFull, cand_lo, 0);  // candidate 0, should every error overflow to inf
 #pragma unroll
     for (int c = 0; c < NUM_CAND; ++c) {
       const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);

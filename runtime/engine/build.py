@@ -47,11 +47,9 @@ def build_model(
         num_moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)),
         backend=ep_backend,
     )
-    try:
-        return Transformer(cfg, rm.weights, world, timer)
-    except BaseException:
-        world.close()
-        raise
+    # No close on an error here: closing is collective, and a rank that failed alone would pair
+    # its close with the others' next layer; process exit tears NVSHMEM down (as Engine.__exit__).
+    return Transformer(cfg, rm.weights, world, timer)
 
 
 def build_engine(

@@ -41,9 +41,10 @@ log = logging.getLogger("zerodram.engine")
 
 
 def length_bucket(max_fp2: int) -> int:
-    """The FP2 length the kernel grid is sized for: the next power of two, at least 1024 (a
-    split's minimum). Eager steps and captured ones use it alike, so they split the same way and
-    give the same bits; a captured step serves every length up to its bucket."""
+    """The FP2 length a captured step's kernel grid is sized for: the next power of two, at least
+    1024 (a split's minimum); the graph serves every length up to it. Eager steps size the grid for
+    their exact longest range and their B rows instead, so the two may split the work differently
+    and agree to rounding, not to the bit."""
     return max(1024, 1 << max(0, max_fp2 - 1).bit_length())
 
 
@@ -223,7 +224,7 @@ class Fp2FusedDecode:
         return _StepMeta(batch, max_fp2)
 
     def grid_len(self, max_fp2: int) -> int:
-        """The FP2 length a step's kernel grid is sized for: `length_bucket`, at most the pool."""
+        """The FP2 length a captured step's grid is sized for: `length_bucket`, at most the pool."""
         return min(length_bucket(max_fp2), self.attn.max_fp2_tokens)
 
     # --- the static path (the whole decode step in one CUDA graph) ------------------------------
@@ -283,7 +284,7 @@ class Fp2FusedDecode:
             )
         kp, vp = c.params
         x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [B, Hq, Dh] stored key space, fp32
-        o = self.attn(x, c.layer, batch, max_len=self.grid_len(meta.max_fp2_len))  # stored value space
+        o = self.attn(x, c.layer, batch, max_len=meta.max_fp2_len)  # stored value space
         return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
 

@@ -264,8 +264,16 @@ class StaticDecodeStep:
             max_len = sa.fused.grid_len(sa.upload())
             if self.capturing and max_len not in self.whole:
                 log.info("capturing the decode step for batch bucket %d, FP2 length %d", self.bucket, max_len)
-                self._capture_whole(max_len)
-                sa.upload()  # the step's own indices again
+                try:
+                    self._capture_whole(max_len)
+                except Exception as err:  # a host sync or copy the capture refuses: serve eagerly
+                    torch.cuda.synchronize()
+                    self.capturing = False
+                    log.warning(
+                        "decode step of bucket %d not capturable (%s): it runs eagerly from its static "
+                        "buffers", self.bucket, str(err).splitlines()[0] if str(err) else type(err).__name__,
+                    )  # fmt: skip
+                sa.upload()  # the step's own indices again (the warm-up pointed them at scratch)
             if self.capturing:
                 self.whole[max_len].replay()
             else:

@@ -93,11 +93,13 @@ def convert_once_per_node(model: str, ctx: Any) -> None:
     from zerodram.runtime.loading.convert import converted_dir
 
     spec = ModelSpec.parse(model)
-    if spec.kind != "gguf" or (converted_dir(spec.path) / "model.safetensors").is_file():
+    if spec.kind != "gguf":
         return
-    if getattr(ctx, "local_rank", 0) == 0:
+    if getattr(ctx, "local_rank", 0) == 0 and not (converted_dir(spec.path) / "model.safetensors").is_file():
         print(f"zerodram: converting {spec.path.name} once (cached for later runs)", file=sys.stderr, flush=True)
         checkpoint_dir(spec)
+    # every rank takes the barrier, converted or not: a rank that skipped it would pair its next
+    # barrier with this one on the others
     if getattr(ctx, "world_size", 1) > 1:
         ctx.barrier(f"{spec.path.name} converted by each node's local rank 0")
 

@@ -87,7 +87,10 @@ _CPU_GROUPS: dict[int, Any] = {}
 
 
 def _cpu_group(ctx: Any) -> Any:
-    # One gloo group per context, created collectively the first time any engine needs it.
+    # The context's gloo group (RankContext.cpu_group); for other contexts (tests), one per
+    # context, created collectively the first time any engine needs it.
+    if hasattr(ctx, "cpu_group"):
+        return ctx.cpu_group
     import torch.distributed as dist
 
     key = id(ctx)

@@ -42,7 +42,8 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | None]:
     """One token per row of `logits` [N, V] (fp32) under each row's params and generator; None for
-    a row whose logits hold NaN/Inf (no token can be drawn from it: the caller fails that request).
+    a row with a NaN or +inf logit, or with every logit -inf (no token can be drawn from it: the
+    caller fails that request). -inf alone masks a token.
 
     Temperatures below `GREEDY_BELOW` are greedy; others scale the logits after their max is
     subtracted, so no finite logit overflows to inf (and inf - inf to NaN) on the way.
@@ -50,8 +51,9 @@ def sample(
     if logits.shape[0] == 0:
         return []
     top, greedy = logits.max(dim=-1)  # [N]
-    finite = torch.isfinite(logits).all(dim=-1)  # [N]
-    greedy_ids, ok = greedy.tolist(), finite.tolist()
+    # -inf is a masked token; NaN, +inf or nothing above -inf leave nothing to draw from
+    ok = ~(torch.isnan(logits).any(dim=-1) | torch.isposinf(top) | torch.isneginf(top))  # [N]
+    greedy_ids, ok = greedy.tolist(), ok.tolist()
     out: list[int | None] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not ok[row]:

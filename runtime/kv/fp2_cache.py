@@ -267,7 +267,7 @@ class Fp2KVCache(KVCache):
         ):
             hp[ix.slot, :, ix.row] = to_stored_space(x, params).to(torch.bfloat16)  # [Bp, H, D]
             codes, scales, offsets = quantize_stored(hp[ix.slot, :, S].float(), side, params)  # oldest tail row
-            pages.codes[ix.page, :, ix.page_row] = pack_codes(codes)  # [Bp, H, D/16]
+            pages.codes[ix.page, :, ix.page_row] = pack_codes(codes, check_range=False)  # [Bp, H, D/16]
             pages.scales[ix.page, :, ix.page_row] = encode_scale(scales, side.scale_dtype)
             if pages.offsets is not None:
                 pages.offsets[ix.page, :, ix.page_row] = offsets.to(torch.bfloat16)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodram.runtime.device import constant_on
 from zerodram.runtime.kv.errors import KVInputError, KVNonFiniteError
 from zerodram.runtime.kv.feedback import feedback_codes
 from zerodram.runtime.kv.format import Fp2TensorSpec, ScaleDtype, ScaleRule
@@ -114,7 +115,7 @@ def _search_scales(
     from prefix sums: O(BS log BS + C log BS) per block instead of O(C * BS). The sums are fp64
     so that the subtraction keeps the error's digits.
     """
-    fr = MSE_FRACTIONS.to(y.device)
+    fr = constant_on(MSE_FRACTIONS, y.device)
     lv = levels.to(y.device).double()
     mids = midpoints(levels.to(y.device).float())
     out = torch.empty_like(s0)
@@ -169,7 +170,7 @@ def quantize_blocks(
         mid = torch.where(torch.isfinite(hi), (hi + lo) / 2, 0.0)
         offsets = mid.to(torch.bfloat16).float()  # stored as bf16 (offsets carry sign)
         y = y - offsets[:, None]
-    lmax = float(levels.abs().max())
+    lmax = levels.to(y.device).abs().max()  # a 0-dim tensor: no host sync (CUDA graphs)
     absmax = torch.where(live, y.abs(), 0.0).amax(-1)
     s0 = absmax / lmax
     if rule == "absmax":

@@ -329,7 +329,7 @@ class ExpertParallelWorld:
         return ep
 
     def close(self) -> None:
-        if self.built:
+        if self.built or self.session is not None:
             self._rendezvous("closing the EP layers")
         for ep in self.built:
             close = getattr(ep, "close", None)
