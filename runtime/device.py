@@ -28,3 +28,29 @@ def constant_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if key not in _CONSTANTS:
         _CONSTANTS[key] = t.to(device)
     return _CONSTANTS[key]
+
+
+class Staging:
+    """A small host buffer (pinned on a GPU) and its device twin, for per-step uploads of indices:
+    one copy per upload, and the host side is not rewritten before the previous copy has left it.
+
+    Args:
+        shape, dtype: of both buffers.
+        device: where the device twin lives (on CPU the two are plain tensors).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def upload(self, values: list) -> torch.Tensor:
+        """`values` (nested lists of `shape`) to the device; returns the device buffer."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.host.copy_(torch.tensor(values, dtype=self.host.dtype))
+        self.dev.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.dev

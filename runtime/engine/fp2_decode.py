@@ -35,6 +35,7 @@ from zerodram.runtime.attention import (
     layer_from_cache,
     prepare_query,
 )
+from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError, ZerodramError
 
 log = logging.getLogger("zerodram.engine")
@@ -64,13 +65,14 @@ class _LayerConsts:
 class StaticDecodeMeta:
     """One batch bucket's decode metadata in static device buffers (a captured graph reads them
     at every replay): block_table [Bp, W] int32 (W: a sequence's most pages), fp2_len, hp_len,
-    hp_slot [Bp] int32, and slot [Bp] int64, the rows of the device table to take."""
+    hp_slot [Bp] int32, and the upload buffer [4, Bp] int64 (those three, then each row's slot,
+    the row of the device table to take)."""
 
     block_table: torch.Tensor
     fp2_len: torch.Tensor
     hp_len: torch.Tensor
     hp_slot: torch.Tensor
-    slot: torch.Tensor
+    staging: Staging
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class Fp2FusedDecode:
             fp2_len=torch.zeros(bucket, **i32),
             hp_len=torch.zeros(bucket, **i32),
             hp_slot=torch.zeros(bucket, **i32),
-            slot=torch.zeros(bucket, dtype=torch.int64, device=self.device),
+            staging=Staging((4, bucket), torch.int64, self.device),
         )
 
     def fill_static(self, meta: StaticDecodeMeta, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> int:
@@ -251,11 +253,12 @@ class Fp2FusedDecode:
         slots = self._mirror(seq_ids, fp2)
         pad = meta.fp2_len.shape[0] - len(slots)
         hp = [n - f for n, f in zip(lengths, fp2, strict=True)]  # sinks + tail: all that is not FP2
-        for dst, vals, fill in (
-            (meta.fp2_len, fp2, 0), (meta.hp_len, hp, 1), (meta.hp_slot, slots, scratch), (meta.slot, slots, 0),
-        ):  # fmt: skip
-            dst.copy_(torch.tensor([*vals, *([fill] * pad)], dtype=dst.dtype), non_blocking=True)
-        torch.index_select(self._table_dev, 0, meta.slot, out=meta.block_table)  # rows past fp2_len unread
+        dev = meta.staging.upload(
+            [[*fp2, *[0] * pad], [*hp, *[1] * pad], [*slots, *[scratch] * pad], [*slots, *[0] * pad]]
+        )  # [4, Bp]: one copy; then casts and one gather on the device
+        for i, dst in enumerate((meta.fp2_len, meta.hp_len, meta.hp_slot)):
+            dst.copy_(dev[i])
+        torch.index_select(self._table_dev, 0, dev[3], out=meta.block_table)  # rows past fp2_len unread
         return max(fp2, default=0)
 
     def static_call(self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int) -> torch.Tensor:

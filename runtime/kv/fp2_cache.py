@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
+from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
@@ -65,37 +66,31 @@ class _DecodeIndices:
     page_row: torch.Tensor
 
 
-@dataclass(frozen=True)
 class StaticDecodeIndex:
     """Where a fixed-shape decode write goes, per row of a padded batch [Bp] (int64 on the cache's
-    device, flush bool): hp slot and row of the new token, whether the row flushes its oldest tail
-    token, and that token's page and page row (the scratch page where it does not flush). Padding
-    rows name the scratch slot. Static buffers: a captured graph reads them at every replay."""
+    device): hp slot and row of the new token, whether the row flushes its oldest tail token
+    (nonzero: yes), and that token's page and page row (the scratch page where it does not flush).
+    Padding rows name the scratch slot. Static buffers, rows of one [5, Bp] device tensor filled by
+    one copy per step: a captured graph reads them at every replay."""
 
-    slot: torch.Tensor
-    row: torch.Tensor
-    flush: torch.Tensor
-    page: torch.Tensor
-    page_row: torch.Tensor
+    def __init__(self, bucket: int, device: torch.device) -> None:
+        self._staging = Staging((5, bucket), torch.int64, device)
+        self.slot, self.row, self.flush, self.page, self.page_row = self._staging.dev  # [Bp] each
 
     @classmethod
     def allocate(cls, bucket: int, device: torch.device) -> StaticDecodeIndex:
-        i64 = {"dtype": torch.int64, "device": device}
-        z = [torch.zeros(bucket, **i64) for _ in range(4)]
-        return cls(z[0], z[1], torch.zeros(bucket, dtype=torch.bool, device=device), z[2], z[3])
+        return cls(bucket, device)
 
     def fill(self, rows: tuple[list[int], ...], scratch_slot: int, scratch_page: int) -> None:
-        """Copy (slots, rows, flush, pages, page rows) of B <= Bp rows in; pad with scratch rows.
-        One host-to-device copy per field (they are small)."""
+        """(slots, rows, flush, pages, page rows) of B <= Bp rows in, padded with scratch rows."""
         slot, row, flush, page, page_row = rows
-        Bp, B = self.slot.shape[0], len(slot)
-        pad = Bp - B
-        for dst, vals, fill in (
-            (self.slot, slot, scratch_slot), (self.row, row, 0), (self.page, page, scratch_page),
-            (self.page_row, page_row, 0),
-        ):  # fmt: skip
-            dst.copy_(torch.tensor([*vals, *([fill] * pad)], dtype=torch.int64), non_blocking=True)
-        self.flush.copy_(torch.tensor([*map(bool, flush), *([False] * pad)]), non_blocking=True)
+        pad = self.slot.shape[0] - len(slot)
+        self._staging.upload(
+            [
+                [*slot, *[scratch_slot] * pad], [*row, *[0] * pad], [*flush, *[0] * pad],
+                [*page, *[scratch_page] * pad], [*page_row, *[0] * pad],
+            ]
+        )  # fmt: skip
 
     def fill_scratch(self, scratch_slot: int, scratch_page: int) -> None:
         """Every row to the scratch slot and page (before a capture's warm-up runs the writes)."""
@@ -260,7 +255,7 @@ class Fp2KVCache(KVCache):
         quantization lands in the scratch page and the tail stays. The same cache contents as
         `append_decode` of the real rows (tests/test_kv_cache.py)."""
         S, W = self.spec.num_sinks, self.rule.window
-        keep = ~ix.flush[:, None, None, None]  # [Bp, 1, 1, 1]
+        keep = (ix.flush == 0)[:, None, None, None]  # [Bp, 1, 1, 1]
         for pages, hp, side, params, x in (
             (self.k, self.hp_k, self.spec.k, self.params[0], k),
             (self.v, self.hp_v, self.spec.v, self.params[1], v),
