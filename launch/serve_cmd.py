@@ -28,6 +28,7 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
     add_dashboard_args(p)
     p.add_argument("--input", default="-", help="requests file (JSON lines; - = stdin), rank 0")
     p.add_argument("--output", default="-", help="results file (JSON lines; - = stdout), rank 0")
+    p.add_argument("--stream", action="store_true", help="a line per sampled token, then the result")
     args = p.parse_args(argv)
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # several ranks share few cores
@@ -41,7 +42,7 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
         console = Console(stderr=True) if fout is sys.stdout else None
         try:
             with observe(ctx, engine, args, console=console):
-                serve_lines(engine, fin, fout)
+                serve_lines(engine, fin, fout, stream=args.stream)
         finally:
             if fin is not sys.stdin:
                 fin.close()

@@ -182,3 +182,31 @@ def test_serve_lines_json_lines(tmp_path) -> None:
     assert "max_tokens" in recs["str"]["error"]
     for key in ("int", "7", "stops"):
         assert recs[key]["finish_reason"] == "error", recs[key]
+
+
+def test_serve_lines_streams_a_line_per_token(tmp_path) -> None:
+    from zerodram.runtime.engine.jobs import serve_lines
+
+    lines = [json.dumps({"prompt_ids": p, "params": {"max_tokens": 3, "ignore_eos": True}, "id": i})
+             for i, p in enumerate(PROMPTS[:2])]  # fmt: skip
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    with inp.open() as fin, out.open("w") as fout:
+        serve_lines(_engine(), fin, fout, stream=True)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    for i in range(2):
+        mine = [r for r in recs if r["id"] == i]
+        assert [r["token_id"] for r in mine[:-1]] == mine[-1]["token_ids"]  # tokens, then the result
+        assert mine[-1]["finish_reason"] == "length" and len(mine) == 4
+
+
+def test_text_deltas_hold_back_incomplete_characters() -> None:
+    from zerodram.runtime.engine.jobs import TextDeltas
+
+    pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b" ok"}  # "é" arrives in two tokens
+    deltas = TextDeltas(lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"))
+    ids, got = [], []
+    for t in (1, 2, 3, 4):
+        ids.append(t)
+        got.append(deltas.delta(7, ids))
+    assert got == ["caf", "", "é", " ok"]

@@ -10,7 +10,11 @@ serve_lines: rank 0 reads one JSON object per line:
 and writes one JSON object per finished request:
     {"id": ..., "text": ..., "token_ids": [...], "finish_reason": "stop"|"length"|"error",
      "error": "..." (errors only), "rank": owner rank}
-A malformed line gets an error line; the server carries on. Every rank runs the lockstep loop.
+With `stream`, each sampled token first gets a line of its own, in the order tokens are sampled:
+    {"id": ..., "token_id": 42, "text": "new text since the last line of this request"}
+(the text delta is held back while the decoded text ends in an incomplete character; the final
+object's text is always the whole answer). A malformed line gets an error line; the server carries
+on. Every rank runs the lockstep loop.
 """
 
 from __future__ import annotations
@@ -191,10 +195,31 @@ class LineSource:
         return self._eof.is_set() and self._q.empty()
 
 
-def serve_lines(engine: Any, fin: Any, fout: Any) -> None:
+class TextDeltas:
+    """Per request, the text its tokens add: decode everything so far, emit what is new, hold
+    back while the text ends in U+FFFD (a character whose bytes have not all arrived)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+        self._sent: dict[int, int] = {}
+
+    def delta(self, request_id: int, ids: list[int]) -> str:
+        text = self.decode(ids)
+        if text.endswith("\ufffd"):
+            return ""
+        sent = self._sent.get(request_id, 0)
+        self._sent[request_id] = len(text)
+        return text[sent:]
+
+    def forget(self, request_id: int) -> None:
+        self._sent.pop(request_id, None)
+
+
+def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> None:
     """Serve JSON-lines requests from `fin` until it ends (see the module docstring).
 
     Collective: every rank calls it; only rank 0 reads `fin` and writes `fout` (others pass None).
+    stream: a line per sampled token before each request's final line.
     """
     from zerodram.runtime.engine.lockstep import ListSource, run_lockstep
 
@@ -204,11 +229,21 @@ def serve_lines(engine: Any, fin: Any, fout: Any) -> None:
         return
     source = LineSource(engine, fin)
     tokens: dict[int, list[int]] = {}
+    deltas = TextDeltas(engine.tokenizer.decode) if stream and engine.tokenizer is not None else None
     for ev in run_lockstep(engine, source):
         if ev.token_id is not None:
-            tokens.setdefault(ev.request_id, []).append(ev.token_id)
+            ids = tokens.setdefault(ev.request_id, [])
+            ids.append(ev.token_id)
+            if stream:
+                rec = {"id": source.keys.get(ev.request_id, ev.request_id), "token_id": ev.token_id}
+                if deltas is not None:
+                    rec["text"] = deltas.delta(ev.request_id, ids)
+                fout.write(json.dumps(rec) + "\n")
+                fout.flush()
         if ev.finish_reason is None:
             continue
+        if deltas is not None:
+            deltas.forget(ev.request_id)
         ids = tokens.pop(ev.request_id, [])
         rec = {
             "id": source.keys.get(ev.request_id, ev.request_id),

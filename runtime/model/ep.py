@@ -8,11 +8,14 @@ Every rank calls every MoE layer's `ep` in every step, in the same order, even w
 is what keeps ranks in lockstep (see docs/engine.md). Implementations:
 
     LocalExperts   world size 1 (or all experts local): no communication
-    AllGatherEP    STOPGAP until runtime/moe's expert-parallel layer lands: all-gathers every
-                   rank's tokens, computes this rank's experts for all of them, all-reduces the
-                   partial outputs and keeps its own rows. Correct on gloo and NCCL, but moves
-                   W x the data a real dispatch/combine does. Use `make_expert_parallel`, which
-                   prefers the runtime/moe layer when present.
+    _TimedEP       runtime/moe's expert-parallel layer (torch.distributed or NVSHMEM backend)
+    AllGatherEP    a fallback (`backend="allgather"`): all-gathers every rank's tokens, computes
+                   this rank's experts for all of them, all-reduces the partial outputs and keeps
+                   its own rows. Correct on gloo and NCCL, but moves W x the data a real
+                   dispatch/combine does.
+
+A model's layers are built by one `ExpertParallelWorld` (its `make_ep`), which picks among them
+and owns what the layers share (the backend, an NVSHMEM session) and their lifetime.
 """
 
 from __future__ import annotations
