@@ -210,3 +210,16 @@ def test_text_deltas_hold_back_incomplete_characters() -> None:
         ids.append(t)
         got.append(deltas.delta(7, ids))
     assert got == ["caf", "", "é", " ok"]
+
+
+def test_cuda_graphs_option_defaults_on_for_one_rank_only() -> None:
+    import argparse
+
+    from zerodram.runtime.engine.jobs import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    auto = p.parse_args([])
+    assert engine_config(auto, 1).cuda_graphs and not engine_config(auto, 4).cuda_graphs
+    assert engine_config(p.parse_args(["--cuda-graphs", "on"]), 4).cuda_graphs
+    assert not engine_config(p.parse_args(["--cuda-graphs", "off"]), 1).cuda_graphs

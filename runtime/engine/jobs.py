@@ -76,9 +76,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
     p.add_argument("--max-step-tokens", type=int, default=256, help="tokens per step per rank")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per request per step")
     p.add_argument("--ep-backend", default=None, help="auto | torch | nvshmem | allgather")
+    p.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="capture the decode step in CUDA graphs: auto = on a GPU job of one rank (several ranks "
+        "are refused for now), on = ask for it, off = eager; ignored on CPU",
+    )
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, world_size: int = 1) -> EngineConfig:
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and world_size == 1)
     return EngineConfig(
         kv_format=args.kv,
         kv_calibration=args.kv_calibration,
@@ -86,6 +94,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_pages=args.num_kv_pages,
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
+        cuda_graphs=graphs,
     )
 
 
@@ -117,7 +126,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
         engine = build_engine(
             args.model,
             ctx,
-            engine_config(args),
+            engine_config(args, getattr(ctx, "world_size", 1)),
             dtype=args.dtype,
             num_experts=args.experts,
             ep_backend=args.ep_backend,
@@ -135,7 +144,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
         return build_engine(
             args.model,
             ctx,
-            engine_config(args),
+            engine_config(args, getattr(ctx, "world_size", 1)),
             dtype=args.dtype,
             num_experts=args.experts,
             ep_backend=args.ep_backend,
