@@ -175,9 +175,10 @@ def test_gpu_bf16_weights_route_experts_through_the_kernel_in_graphs_and_eager()
     assert _compare("tiny-moe bf16 vs fp32 weights", eager, fp32) >= 0.5
 
 
-def _rank_nvshmem_engine(ctx, path: str, prompts: list, max_tokens: int, kvs: tuple[str, ...]) -> dict:
+def _rank_nvshmem_engine(ctx, model: str, prompts: list, max_tokens: int, kvs: tuple[str, ...]) -> dict:
     """One rank of the engine over NVSHMEM: ranks from `run_ranks` (gloo), all on cuda:0 (several
-    PEs share the one GPU: correct, not fast). Each engine is closed (collective) before the next."""
+    PEs share the one GPU: correct, not fast), bf16 weights (NVSHMEM moves bf16 rows), the model's
+    FFN sliced into one expert per rank. Each engine is closed (collective) before the next."""
     torch.cuda.set_device(0)
     gctx = SimpleNamespace(
         rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cuda", 0), backend=ctx.backend,
@@ -188,11 +189,14 @@ def _rank_nvshmem_engine(ctx, path: str, prompts: list, max_tokens: int, kvs: tu
         config = EngineConfig(
             kv_format=kv, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4)
         )
-        with build_engine(path, gctx, config, dtype="fp32", ep_backend="nvshmem") as engine:
+        engine = build_engine(
+            model, gctx, config, dtype="bf16", ep_backend="nvshmem", num_experts=ctx.world_size
+        )
+        with engine:
             world = engine.model._make_ep
             assert world.backend == "nvshmem" and world.session is not None
             moe = [layer for layer in engine.model.layers if layer.is_moe]
-            assert all(layer.ep.layer.comm.session is world.session for layer in moe)
+            assert moe and all(layer.ep.layer.comm.session is world.session for layer in moe)
             outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             got[kv] = [o.token_ids for o in outs]
         assert world.session is None and not world.built
@@ -200,17 +204,19 @@ def _rank_nvshmem_engine(ctx, path: str, prompts: list, max_tokens: int, kvs: tu
 
 
 @pytest.mark.slow
-def test_gpu_engine_over_two_nvshmem_ranks_matches_transformers(tiny_mixtral) -> None:
+def test_gpu_engine_over_two_nvshmem_ranks_matches_one_rank() -> None:
     """The engine over 2 ranks with the NVSHMEM backend (one session per rank shared by every MoE
-    layer): bf16 KV gives transformers' greedy tokens; FP2 (the kernels' format) runs the fused
-    decode on each rank and is compared with the one-rank GPU engine."""
+    layer; SmolLM2's shapes, random bf16 weights, each FFN sliced into 2 experts) against the
+    one-rank GPU engine (the FFN whole): bf16 KV, and FP2 through the fused decode on each rank.
+    Slicing changes only the bf16 summation order, so tokens may part at a near-tie."""
     from multirank import run_ranks
 
-    path, hf = tiny_mixtral
+    model = "random:smollm2-135m"
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
     results = run_ranks(
-        _rank_nvshmem_engine, 2, args=(path, PROMPTS, MAX_TOKENS, ("bf16", FP2_SPEC)),
+        _rank_nvshmem_engine, 2, args=(model, prompts, 8, ("bf16", FP2_SPEC)),
         timeout_s=600, rank_timeout_s=180, device="cpu",
     )  # fmt: skip
-    assert _compare("2 NVSHMEM ranks bf16 vs transformers", results[0]["bf16"], hf) == 1.0
-    one_rank, _ = _greedy(path, CUDA, PROMPTS, MAX_TOKENS, FP2_SPEC)
-    assert _compare("2 NVSHMEM ranks fp2 vs one rank", results[0][FP2_SPEC], one_rank) >= 0.9
+    for kv in ("bf16", FP2_SPEC):
+        one_rank, _ = _greedy(model, CUDA, prompts, 8, kv, dtype="bf16")
+        assert _compare(f"2 NVSHMEM ranks vs one rank, {kv}", results[0][kv], one_rank) >= 0.9

@@ -150,3 +150,8 @@ def test_expert_parallel_world_builds_and_closes_every_layer() -> None:
         resolve_backend(cpu, "nvshmem")
     with pytest.raises(ConfigError, match="EP backend 'mpi'"):
         resolve_backend(cpu, "mpi")
+    # NVSHMEM moves bf16 rows: "auto" leaves an fp32 model on the torch backend, "nvshmem" says why
+    gpu = type("Ctx", (), {"rank": 0, "device": torch.device("cuda", 0)})()
+    assert resolve_backend(gpu, "auto", torch.float32) == "torch"
+    with pytest.raises(ConfigError, match=r"moves bf16 rows, this model computes in torch\.float32"):
+        resolve_backend(gpu, "nvshmem", torch.float32)

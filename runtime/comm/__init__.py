@@ -51,21 +51,31 @@ def check_layout_matches(layout: EpLayout, ctx: Any) -> None:
         raise ConfigError(f"EP layout was built for rank {layout.rank}, this process is rank {ctx.rank}")
 
 
-def resolve_backend(ctx: Any, backend: str | None = None) -> str:
-    """"torch" or "nvshmem" for `backend` ("auto", "torch", "nvshmem"; default ZERODRAM_EP_BACKEND).
+def resolve_backend(ctx: Any, backend: str | None = None, dtype: Any = None) -> str:
+    """"torch" or "nvshmem" for `backend` ("auto", "torch", "nvshmem"; default ZERODRAM_EP_BACKEND)
+    and rows of `dtype` (None: not known). NVSHMEM moves bf16 rows, so "auto" takes it only for
+    bf16 (or unknown) rows on a GPU with nvshmem4py.
 
     Raises:
-        ConfigError: unknown backend, or "nvshmem" without a GPU.
+        ConfigError: unknown backend, or "nvshmem" without a GPU or for rows that are not bf16.
     """
+    import torch
+
     from zerodram.runtime.envs import ENVS
 
     backend = backend or ENVS.EP_BACKEND.get()
     if backend not in BACKENDS:
         raise ConfigError(f"EP backend {backend!r}; expected one of {BACKENDS}")
+    bf16 = dtype is None or dtype == torch.bfloat16
     if backend == "auto":
-        backend = "nvshmem" if ctx.device.type == "cuda" and _nvshmem_importable() else "torch"
+        backend = "nvshmem" if ctx.device.type == "cuda" and bf16 and _nvshmem_importable() else "torch"
     if backend == "nvshmem" and ctx.device.type != "cuda":
         raise ConfigError(f"EP backend nvshmem needs a GPU; rank {ctx.rank} runs on {ctx.device}")
+    if backend == "nvshmem" and not bf16:
+        raise ConfigError(
+            f"EP backend nvshmem moves bf16 rows, this model computes in {dtype}: "
+            "use bf16 weights (--dtype bf16) or the torch backend (--ep-backend torch)"
+        )
     return backend
 
 

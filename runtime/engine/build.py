@@ -46,6 +46,7 @@ def build_model(
         max_tokens_per_rank=max_step_tokens,
         num_moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)),
         backend=ep_backend,
+        dtype=rm.weights["embed"].dtype,
     )
     # No close on an error here: closing is collective, and a rank that failed alone would pair
     # its close with the others' next layer; process exit tears NVSHMEM down (as Engine.__exit__).

@@ -275,6 +275,7 @@ class ExpertParallelWorld:
         max_tokens_per_rank: the most tokens one step sends through a MoE layer (buffer sizing).
         num_moe_layers: how many layers will be built (the shared heap's size).
         backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
+        dtype: the model's compute dtype (NVSHMEM moves bf16 rows; see `resolve_backend`).
     """
 
     def __init__(
@@ -288,6 +289,7 @@ class ExpertParallelWorld:
         max_tokens_per_rank: int,
         num_moe_layers: int,
         backend: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.ctx, self.timer = ctx, timer
         self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
@@ -298,7 +300,7 @@ class ExpertParallelWorld:
             return
         from zerodram.runtime.comm import EpLayout, resolve_backend
 
-        self.backend = resolve_backend(ctx, backend)
+        self.backend = resolve_backend(ctx, backend, dtype)
         if self.backend == "nvshmem" and num_moe_layers:
             from zerodram.runtime.comm.nvshmem_comm import heap_bytes
             from zerodram.runtime.comm.nvshmem_session import NvshmemSession
