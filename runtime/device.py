@@ -32,7 +32,8 @@ def constant_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class Staging:
     """A small host buffer (pinned on a GPU) and its device twin, for per-step uploads of indices:
-    one copy per upload, and the host side is not rewritten before the previous copy has left it.
+    one copy per upload, and the host side is not rewritten before the previous copy has left it
+    (the host waits for that copy: a caller cannot run ahead of the GPU by more than one upload).
 
     Args:
         shape, dtype: of both buffers.
@@ -52,5 +53,5 @@ class Staging:
         self.host.copy_(torch.tensor(values, dtype=self.host.dtype))
         self.dev.copy_(self.host, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.dev.device))  # the stream the copy ran on
         return self.dev

@@ -205,3 +205,13 @@ def test_static_step_on_smollm2_with_fp2_kv() -> None:
             [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
         )
     assert got[1] == got[0]
+
+
+def test_auto_graphs_skip_models_whose_experts_a_graph_would_run_dense() -> None:
+    """`cuda_graphs="auto"` leaves eager a MoE model whose captured experts would all run on every
+    row (fp32 weights here); a dense model sliced into experts (every expert chosen) is fine."""
+    moe = NAMED_CONFIGS["tiny-moe"]
+    model = Transformer(moe, random_weights(moe, None, 0, seed=1, dtype=torch.float32))
+    assert DecodeGraphs.dense_moe_layers(model) == [i for i in range(moe.num_layers) if moe.is_moe_layer(i)]
+    sliced = NAMED_CONFIGS["tiny-dense"].as_dense_moe(2)
+    assert DecodeGraphs.dense_moe_layers(Transformer(sliced, random_weights(sliced, None, 0, seed=1))) == []

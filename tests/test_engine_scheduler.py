@@ -212,14 +212,15 @@ def test_text_deltas_hold_back_incomplete_characters() -> None:
     assert got == ["caf", "", "é", " ok"]
 
 
-def test_cuda_graphs_option_defaults_on_for_one_rank_only() -> None:
+def test_cuda_graphs_option_maps_to_the_engine_config() -> None:
     import argparse
 
     from zerodram.runtime.engine.jobs import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    auto = p.parse_args([])
-    assert engine_config(auto, 1).cuda_graphs and not engine_config(auto, 4).cuda_graphs
-    assert engine_config(p.parse_args(["--cuda-graphs", "on"]), 4).cuda_graphs
-    assert not engine_config(p.parse_args(["--cuda-graphs", "off"]), 1).cuda_graphs
+    assert engine_config(p.parse_args([]), 4).cuda_graphs == "auto"  # the engine decides
+    assert engine_config(p.parse_args(["--cuda-graphs", "on"]), 1).cuda_graphs is True
+    assert engine_config(p.parse_args(["--cuda-graphs", "off"]), 1).cuda_graphs is False
+    with pytest.raises(ConfigError, match="serves one rank for now, this job has 4"):
+        engine_config(p.parse_args(["--cuda-graphs", "on"]), 4)

@@ -319,3 +319,16 @@ def test_qwen_gguf_vocabulary_splits_as_transformers_does(tmp_path: Path) -> Non
             text, add_special_tokens=False
         )
     assert tokens.index("12") not in ours.encode("12", add_special_tokens=False).ids
+
+
+def test_random_dense_sliced_configs_follow_the_expert_count() -> None:
+    """random:smollm2-135m (its FFN served as 1 expert) is cut again into one expert per rank, or
+    into --experts; a real MoE config refuses another expert count."""
+    from zerodram.runtime.loading.checkpoint import load_for_rank
+
+    rm = load_for_rank(ModelSpec.parse("random:smollm2-135m"), 1, 2, dtype=torch.bfloat16)
+    assert (rm.config.num_experts, rm.config.num_experts_per_tok) == (2, 2)
+    assert rm.placement.local_experts(1) == (1,)
+    assert load_for_rank(ModelSpec.parse("random:smollm2-135m"), 0, 1, num_experts=3).config.num_experts == 3
+    with pytest.raises(ConfigError, match="slices dense models only"):
+        load_for_rank(ModelSpec.parse("random:tiny-moe"), 0, 1, num_experts=3)

@@ -155,3 +155,28 @@ def test_expert_parallel_world_builds_and_closes_every_layer() -> None:
     assert resolve_backend(gpu, "auto", torch.float32) == "torch"
     with pytest.raises(ConfigError, match=r"moves bf16 rows, this model computes in torch\.float32"):
         resolve_backend(gpu, "nvshmem", torch.float32)
+
+
+def _rank_without_experts(ctx) -> float:
+    """One expert over two ranks: rank 1 holds none (W > E), yet takes part in every dispatch."""
+    from zerodram.runtime.model.ep import ExpertParallelWorld
+    from zerodram.runtime.model.moe import ExpertWeights
+
+    g = torch.Generator().manual_seed(3)
+    D, F = 8, 4
+    full = ExpertWeights((0,), torch.randn(1, F, D, generator=g), torch.randn(1, F, D, generator=g),
+                         torch.randn(1, D, F, generator=g))  # fmt: skip
+    mine = full if ctx.rank == 0 else ExpertWeights((), full.w_gate[:0], full.w_up[:0], full.w_down[:0])
+    world = ExpertParallelWorld(
+        ctx, expert_to_rank=(0,), top_k=1, hidden=D, max_tokens_per_rank=4, num_moe_layers=1
+    )
+    ep = world(0, mine)
+    x = torch.randn(3 + ctx.rank, D, generator=torch.Generator().manual_seed(10 + ctx.rank))
+    idx, w = torch.zeros(x.shape[0], 1, dtype=torch.int64), torch.ones(x.shape[0], 1)
+    err = float((ep(x, idx, w) - full.forward(x, idx, w)).abs().max())
+    world.close()
+    return err
+
+
+def test_a_rank_without_experts_takes_part() -> None:
+    assert all(e < 1e-5 for e in run_ranks(_rank_without_experts, 2))

@@ -11,6 +11,7 @@ that keeps ranks in lockstep lives in `lockstep.py`; this module is the per-rank
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerodram.runtime.engine.calibration import CALIB_TOKENS, engine_calibration
-from zerodram.runtime.engine.fp2_decode import make_decode_attention
+from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode, make_decode_attention
 from zerodram.runtime.engine.graphs import DecodeGraphs
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
 from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
@@ -28,11 +29,15 @@ from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.model.attention import KVProbe, PagedAttention
 from zerodram.runtime.model.transformer import Transformer
 
+log = logging.getLogger("zerodram.engine")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     """kv_format: "fp2[:options]", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens
-    per rank. cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md).
+    per rank. cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md):
+    True captures or raises; "auto" captures where graphs serve (one rank, no MoE layer whose
+    experts a graph would run dense) and otherwise, or if a capture fails, decodes eagerly.
     fused_decode: FP2 decode rows run the fused decode attention when the kernels read the format
     (False: read the pages back and run SDPA, the reference path).
     kv_calibration: "auto" (compute the FP2 constants at construction when the format needs them),
@@ -44,7 +49,7 @@ class EngineConfig:
     page_size: int = 32
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | str = False
     fused_decode: bool = True
     kv_calibration: str = "auto"
     kv_calibration_tokens: int = CALIB_TOKENS
@@ -144,19 +149,42 @@ class Engine:
         self._generators: dict[int, torch.Generator | None] = {}
         self._next_id = 0
         self.step_idx = 0
-        self.use_cuda_graphs = self.config.cuda_graphs and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
-        if self.use_cuda_graphs:
-            if self.world_size > 1:
-                # every rank would have to capture (and warm up the EP collectives) in step
-                raise ConfigError(f"cuda_graphs serve one rank for now, this job has {self.world_size}")
-            # The whole step in one graph where the KV writes and the attention have a fixed
-            # shape (FP2 through the fused kernels, flushing one token at a time), else piecewise.
-            static = (self.kv, decode) if decode is not None and getattr(self.kv, "static_decode_ok", False) else None
-            self.graphs = DecodeGraphs(
-                model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
-            )
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = self._capture(self.config.cuda_graphs == "auto")
         self.on_error: Callable[[str], None] | None = None
+
+    def _capture(self, auto: bool) -> DecodeGraphs | None:
+        """The decode step's graphs; under "auto", None (eager decode, logged) where they would not
+        serve or do not capture."""
+        reason = None
+        if self.world_size > 1:
+            # every rank would have to capture (and warm up the EP collectives) in step
+            reason = f"cuda_graphs serve one rank for now, this job has {self.world_size}"
+        elif auto and (dense := DecodeGraphs.dense_moe_layers(self.model)):
+            reason = (
+                f"MoE layers {dense} would run every expert on every row inside a graph (weights or "
+                "shapes the decode expert kernel does not take)"
+            )
+        if reason is not None:
+            if not auto:
+                raise ConfigError(reason)
+            log.info("cuda_graphs auto: eager decode (%s)", reason)
+            return None
+        # The whole step in one graph where the KV writes and the attention have a fixed shape
+        # (FP2 through the fused kernels, flushing one token at a time), else piecewise.
+        fused = self.attn.decode if isinstance(self.attn.decode, Fp2FusedDecode) else None
+        static = (self.kv, fused) if fused is not None and getattr(self.kv, "static_decode_ok", False) else None
+        try:
+            return DecodeGraphs(
+                self.model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
+            )
+        except Exception as err:
+            if not auto:
+                raise
+            torch.cuda.synchronize()
+            log.warning("cuda_graphs auto: capture failed, eager decode: %s", str(err).splitlines()[0] if str(err) else err)
+            return None
 
     # --- lifetime ------------------------------------------------------------------------------
 

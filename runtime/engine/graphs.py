@@ -347,6 +347,20 @@ class DecodeGraphs:
                 list(self.buckets), len(self.buckets) * (len(model.layers) + 1), time.perf_counter() - t0,
             )  # fmt: skip
 
+    @staticmethod
+    def dense_moe_layers(model: Transformer) -> list[int]:
+        """MoE layers whose capturable experts run every expert on every row (`DenseLocalExperts`)
+        while a token picks fewer than all: a graph would cost them E / K times the expert work."""
+        from zerodram.runtime.model.ep import DenseLocalExperts
+
+        return [
+            layer.idx
+            for layer in model.layers
+            if layer.is_moe
+            and model.config.num_experts > model.config.num_experts_per_tok
+            and isinstance(capturable_ep(layer.ep), DenseLocalExperts)
+        ]
+
     def eligible(self, batch: ForwardBatch) -> bool:
         """Decode rows only, at most the largest bucket (mixed prefill steps run eagerly)."""
         return not batch.prefill and 0 < batch.num_decode <= self.buckets[-1]

@@ -80,13 +80,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default="auto",
-        help="capture the decode step in CUDA graphs: auto = on a GPU job of one rank (several ranks "
-        "are refused for now), on = ask for it, off = eager; ignored on CPU",
+        help="capture the decode step in CUDA graphs (GPU ranks; generate runs on the CPU): auto = "
+        "where they serve (one rank; no MoE layer a graph would run dense), eager otherwise or if "
+        "the capture fails; on = capture or fail; off = eager",
     )
 
 
 def engine_config(args: argparse.Namespace, world_size: int = 1) -> EngineConfig:
-    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and world_size == 1)
+    """EngineConfig from the shared options. Raises ConfigError for --cuda-graphs on across ranks."""
+    if args.cuda_graphs == "on" and world_size > 1:
+        raise ConfigError(f"--cuda-graphs on serves one rank for now, this job has {world_size}")
+    graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
     return EngineConfig(
         kv_format=args.kv,
         kv_calibration=args.kv_calibration,
@@ -205,23 +209,26 @@ class LineSource:
 
 
 class TextDeltas:
-    """Per request, the text its tokens add: decode everything so far, emit what is new, hold
-    back while the text ends in U+FFFD (a character whose bytes have not all arrived)."""
+    """Per request, the text its newest token adds, from a short window of recent tokens (not the
+    whole answer decoded again per token): decode the tokens since the last emission together
+    with the ones before them, emit what the newest add, hold back while the text ends in U+FFFD
+    (a character whose bytes have not all arrived). Byte-level and Metaspace decoders are
+    prefix-stable, so the deltas add up to the whole text."""
 
     def __init__(self, decode: Any) -> None:
         self.decode = decode
-        self._sent: dict[int, int] = {}
+        self._offsets: dict[int, tuple[int, int]] = {}  # request -> (prefix start, read end)
 
     def delta(self, request_id: int, ids: list[int]) -> str:
-        text = self.decode(ids)
-        if text.endswith("\ufffd"):
+        start, read = self._offsets.get(request_id, (0, 0))
+        before, text = self.decode(ids[start:read]), self.decode(ids[start:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        sent = self._sent.get(request_id, 0)
-        self._sent[request_id] = len(text)
-        return text[sent:]
+        self._offsets[request_id] = (read, len(ids))
+        return text[len(before) :]
 
     def forget(self, request_id: int) -> None:
-        self._sent.pop(request_id, None)
+        self._offsets.pop(request_id, None)
 
 
 def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> None:

@@ -50,7 +50,7 @@ def sample(
     """
     if logits.shape[0] == 0:
         return []
-    top, greedy = logits.max(dim=-1)  # [N]
+    greedy, top = logits.argmax(dim=-1), logits.amax(dim=-1)  # [N]: argmax as transformers' greedy
     # -inf is a masked token; NaN, +inf or nothing above -inf leave nothing to draw from
     ok = ~(torch.isnan(logits).any(dim=-1) | torch.isposinf(top) | torch.isneginf(top))  # [N]
     greedy_ids, ok = greedy.tolist(), ok.tolist()

@@ -117,6 +117,12 @@ def load_for_rank(
         from zerodram.runtime.model.named import named_config
 
         config = named_config(spec.name)
+        if config.router_kind == "dense_slices" and (num_experts or world_size) != config.num_experts:
+            config = config.as_dense_moe(num_experts or world_size)  # the dense FFN cut again
+        elif num_experts and config.is_moe and num_experts != config.num_experts:
+            raise ConfigError(
+                f"random:{spec.name} has {config.num_experts} experts; --experts slices dense models only"
+            )
         placement = (
             ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
         )

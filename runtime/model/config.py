@@ -144,12 +144,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def as_dense_moe(self, num_experts: int) -> ModelConfig:
-        """This dense config served as MoE: the FFN intermediate dim cut into `num_experts` slices.
+        """This dense config served as MoE: the FFN intermediate dim cut into `num_experts` slices
+        (a config already served that way is cut again).
 
         Raises:
-            ConfigError: already MoE, or the intermediate size does not divide by `num_experts`.
+            ConfigError: a real MoE model, or the intermediate size does not divide by `num_experts`.
         """
-        if self.is_moe:
+        if self.is_moe and self.router_kind != "dense_slices":
             raise ConfigError(f"{self.arch} is already an MoE model")
         if num_experts < 1 or self.intermediate_size % num_experts:
             raise ConfigError(

@@ -86,7 +86,8 @@ class EpMoELayer:
             wire, backend, session: see `EpLayout` and `create_communicator`.
         """
         placement = placement or ExpertPlacement.contiguous(ctx.rank, ctx.world_size, num_experts)
-        hidden = int(experts.w_gate.shape[2]) if len(experts.expert_ids) else int(gate_weight.shape[1])
+        # w_gate is [El, F, D] even for a rank that holds no expert (El = 0, when W > E)
+        hidden = int(experts.w_gate.shape[2])
         layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire)
         router = router or RouterConfig(num_experts, top_k)
         shard = (
