@@ -56,8 +56,11 @@ def test_dense_as_moe_slices_the_ffn() -> None:
     assert moe.param_counts() == cfg.param_counts()
     with pytest.raises(ConfigError, match="does not split"):
         cfg.as_dense_moe(5)
+    again = moe.as_dense_moe(2)  # a dense-sliced config is cut again from the whole FFN
+    assert (again.num_experts, again.moe_intermediate_size) == (2, 64)
+    assert again.param_counts() == cfg.param_counts()
     with pytest.raises(ConfigError, match="already an MoE"):
-        moe.as_dense_moe(2)
+        named_config("tiny-moe").as_dense_moe(2)
 
 
 def test_parse_hf_configs_v4_and_v5_spellings() -> None:
