@@ -1,6 +1,8 @@
 """`zerodram generate`: one process, one or more prompts, text out (streamed as it comes).
 
 zerodram generate --prompt "What is the capital of France?" --max-tokens 32 --kv bf16
+
+All experts local, on a GPU when one is visible (`--device cpu` to stay on the host).
 """
 
 from __future__ import annotations
@@ -9,11 +11,31 @@ import argparse
 import sys
 
 
+def _one_process(device: str):
+    """The rank context of a one-process job on `device` ("auto": a GPU when one is visible and
+    ZERODRAM_FORCE_CPU is unset); None on the CPU. Raises ConfigError for cuda without a GPU."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerodram.runtime.device import canonical_device
+    from zerodram.runtime.envs import ENVS
+    from zerodram.runtime.errors import ConfigError
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not ENVS.FORCE_CPU.get() else "cpu"
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA device")
+    return SimpleNamespace(device=canonical_device("cuda"), rank=0, world_size=1, local_rank=0, topology=None)
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.runtime.engine.jobs import build_from_args
     from zerodram.runtime.engine.request import SamplingParams
 
-    engine = build_from_args(args, None)
+    engine = build_from_args(args, _one_process(args.device))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -54,5 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: a GPU when one is visible"
+    )
     add_engine_args(p)
     p.set_defaults(func=_cmd)

@@ -89,3 +89,17 @@ def test_commands_work_without_the_benchmarks_folder(
     build_parser()
     assert main(["bench", "decode"]) == ConfigError.exit_code
     assert "run from a source checkout" in capsys.readouterr().err
+
+
+def test_generate_picks_its_device(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate runs on a GPU when one is visible (auto), on the host with --device cpu, and says so
+    when --device cuda finds no GPU."""
+    import torch
+
+    from zerodram.launch.generate_cmd import _one_process
+
+    assert _one_process("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _one_process("auto") is None
+    assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

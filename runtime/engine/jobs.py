@@ -80,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default="auto",
-        help="capture the decode step in CUDA graphs (GPU ranks; generate runs on the CPU): auto = "
+        help="capture the decode step in CUDA graphs (GPU jobs; ignored on the CPU): auto = "
         "where they serve (one rank; no MoE layer a graph would run dense), eager otherwise or if "
         "the capture fails; on = capture or fail; off = eager",
     )
