@@ -130,6 +130,28 @@ def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
     )
 
 
+@pytest.mark.parametrize("scale", ["e4m3", "e8m0"])
+@pytest.mark.parametrize("levels", ["lm", "sig"])
+def test_write_kernel_search_rule_picks_the_cpu_scales(levels: str, scale: str) -> None:
+    """attn_fp2_write's MSE search in torch: codes placed by y >= round(s * m_i) (fp32 products),
+    errors (y - round(s * L))^2 summed in fp32, the first least error. It must choose the scale the
+    CPU quantizer's closed-form search (`_search_scales`, fp64 prefix sums) chooses."""
+    from zerodram.runtime.kv.levels import midpoints, named_levels
+    from zerodram.runtime.kv.quantize import MSE_FRACTIONS, _search_scales
+    from zerodram.runtime.kv.scales import round_scale
+
+    g = torch.Generator().manual_seed(7)
+    lv = named_levels(levels).float()
+    for bs in (16, 64, 128):
+        y = torch.randn(4000, bs, generator=g) * torch.rand(4000, 1, generator=g) * 3  # [NB, BS]
+        s0 = y.abs().amax(-1) / lv.abs().max()
+        cand = round_scale(s0[:, None] * MSE_FRACTIONS.float(), scale)  # [NB, C]
+        code = (y[:, None, :, None] >= cand[..., None, None] * midpoints(lv)).sum(-1)  # [NB, C, BS]
+        err = ((y[:, None, :] - lv[code] * cand[..., None]) ** 2).sum(-1)  # [NB, C]
+        kernel_rule = cand.gather(1, err.argmin(1, keepdim=True))[:, 0]
+        assert torch.equal(kernel_rule, _search_scales(y, torch.ones_like(y), lv, s0, scale)), bs
+
+
 def test_validation_names_both_sides() -> None:
     att = _module("cpu")
     g = torch.Generator().manual_seed(3)
