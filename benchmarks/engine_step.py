@@ -20,10 +20,10 @@ import json
 import math
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
+from zerodram.runtime.context import one_process_context
 from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
 from zerodram.runtime.engine.build import build_engine
 from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, help="weights: bf16 on GPU, fp32 on CPU by default")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    ctx = SimpleNamespace(device=torch.device("cuda"), rank=0, world_size=1, topology=None) if cuda else None
+    ctx = one_process_context()
+    cuda = ctx is not None
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     batches = [int(b) for b in args.batches.split(",")]
     max_b, tokens = max(batches), args.context + args.warmup + args.steps + 2

@@ -11,31 +11,12 @@ import argparse
 import sys
 
 
-def _one_process(device: str):
-    """The rank context of a one-process job on `device` ("auto": a GPU when one is visible and
-    ZERODRAM_FORCE_CPU is unset); None on the CPU. Raises ConfigError for cuda without a GPU."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from zerodram.runtime.device import canonical_device
-    from zerodram.runtime.envs import ENVS
-    from zerodram.runtime.errors import ConfigError
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and not ENVS.FORCE_CPU.get() else "cpu"
-    if device == "cpu":
-        return None
-    if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this machine has no CUDA device")
-    return SimpleNamespace(device=canonical_device("cuda"), rank=0, world_size=1, local_rank=0, topology=None)
-
-
 def _cmd(args: argparse.Namespace) -> int:
+    from zerodram.runtime.context import one_process_context
     from zerodram.runtime.engine.jobs import build_from_args
     from zerodram.runtime.engine.request import SamplingParams
 
-    engine = build_from_args(args, _one_process(args.device))
+    engine = build_from_args(args, one_process_context(args.device))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

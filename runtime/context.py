@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from zerodram.runtime.envs import ENVS
@@ -81,6 +82,28 @@ def check_world(topology: Topology, env: TorchrunEnv) -> None:
             f"{spec.local_rank}, torchrun started it on node {env.node_rank} as local rank "
             f"{env.local_rank}"
         )
+
+
+def local_device(device: str | None = None) -> str:
+    """"cuda" or "cpu" for a job of this one process: `device` as given ("auto" or None: a GPU
+    when one is visible, unless ZERODRAM_FORCE_CPU). Raises ConfigError for cuda without a GPU."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() and not ENVS.FORCE_CPU.get() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda: this machine has no CUDA device")
+    return device
+
+
+def one_process_context(device: str | None = None) -> SimpleNamespace | None:
+    """The rank context of a job of this one process without a process group (all experts local):
+    None on the CPU, else rank 0 of 1 on the current GPU (`local_device` picks)."""
+    if local_device(device) == "cpu":
+        return None
+    from zerodram.runtime.device import canonical_device
+
+    return SimpleNamespace(device=canonical_device("cuda"), rank=0, world_size=1, local_rank=0, topology=None)
 
 
 class RankContext:
@@ -182,8 +205,7 @@ class RankContext:
             port = s.getsockname()[1]
         env = TorchrunEnv(0, 0, 1, 1, 0, "127.0.0.1", port)
         timeout_s = float(timeout_s if timeout_s is not None else ENVS.WAIT_TIMEOUT_S.get())
-        want = device or ("cuda" if torch.cuda.is_available() and not ENVS.FORCE_CPU.get() else "cpu")
-        dev = torch.device("cuda", 0) if want == "cuda" else torch.device("cpu")
+        dev = torch.device("cuda", 0) if local_device(device) == "cuda" else torch.device("cpu")
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)

@@ -96,10 +96,10 @@ def test_generate_picks_its_device(capsys: pytest.CaptureFixture[str], monkeypat
     when --device cuda finds no GPU."""
     import torch
 
-    from zerodram.launch.generate_cmd import _one_process
+    from zerodram.runtime.context import one_process_context
 
-    assert _one_process("cpu") is None
+    assert one_process_context("cpu") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _one_process("auto") is None
+    assert one_process_context("auto") is None
     assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err

@@ -163,10 +163,9 @@ def _broadcast(ctx: Any, obj: Any) -> Any:
     """Rank 0's `obj` on every rank, over the CPU (gloo) group; bounded by the group's timeout."""
     import torch.distributed as dist
 
-    from zerodram.runtime.engine.lockstep import _cpu_group
     from zerodram.runtime.errors import RankTimeoutError
 
-    group = _cpu_group(ctx) if getattr(ctx, "backend", "gloo") != "gloo" else None
+    group = getattr(ctx, "cpu_group", None)  # the gloo group beside NCCL; None: the default group
     box = [obj]
     try:
         dist.broadcast_object_list(box, src=0, group=group)

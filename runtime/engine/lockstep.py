@@ -61,10 +61,9 @@ class _Control:
     def __init__(self, engine: Any) -> None:
         self.world_size = engine.world_size
         self.rank = engine.rank
-        self.group = None
         ctx = engine.ctx
-        if self.world_size > 1 and getattr(ctx, "backend", "gloo") != "gloo":
-            self.group = _cpu_group(ctx)
+        # gloo: the context's group beside NCCL (RankContext.cpu_group), else the default group
+        self.group = getattr(ctx, "cpu_group", None) if self.world_size > 1 else None
         self.timeout_s = getattr(ctx, "timeout_s", 60.0)
 
     def exchange(self, payload: dict) -> list[dict]:
@@ -81,22 +80,6 @@ class _Control:
                 f"{self.timeout_s:g}s: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
             ) from err
         return out
-
-
-_CPU_GROUPS: dict[int, Any] = {}
-
-
-def _cpu_group(ctx: Any) -> Any:
-    # The context's gloo group (RankContext.cpu_group); for other contexts (tests), one per
-    # context, created collectively the first time any engine needs it.
-    if hasattr(ctx, "cpu_group"):
-        return ctx.cpu_group
-    import torch.distributed as dist
-
-    key = id(ctx)
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
 
 
 def run_lockstep(engine: Any, source: RequestSource) -> Iterator[TokenEvent]:
