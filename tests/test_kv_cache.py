@@ -252,15 +252,27 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         ("fp2:tail=1,window=32", "cpu"),
         ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu"),
         pytest.param("fp2:tail=1,window=32", "cuda", marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", marks=pytest.mark.gpu),  # DEFAULT_FP2
+        pytest.param("fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None:
     """The fixed-shape decode write (host plan + device write over a padded batch, what a CUDA
     graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
-    flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot."""
+    flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot.
+    On CUDA the write is the decode-write kernel (kernels/kv_write.py) and `append_decode` the
+    torch reference; error feedback gets a random factor (calibration's shape, not its values)."""
+    import dataclasses
+
     from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
 
     a, b = (_cache(fmt, num_pages=24, max_seqs=6, device=device) for _ in range(2))
+    assert (b._static_write is not None) == (device == "cuda")
+    if "fb=1" in fmt:
+        g = torch.Generator().manual_seed(3)
+        factor = (torch.eye(D) + 0.2 * torch.randn(H, D, D, generator=g).tril(-1)).transpose(1, 2)  # upper
+        for c in (a, b):
+            c.params = tuple(dataclasses.replace(p, feedback=factor) for p in c.params)
     gen = torch.Generator().manual_seed(7)
     seqs = []
     for n0 in (0, 3, 31, 46, 63, 90):

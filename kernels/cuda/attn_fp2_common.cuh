@@ -129,6 +129,33 @@ ZD_DEVICE float scale_to_float(uint32_t byte) {
   }
 }
 
+// A positive fp32 scale rounded to the format, as runtime/kv/scales.round_scale (E4M3:
+// round-to-nearest-even clamped into [2^-9, 448]; E8M0: nearest power of two in log2, ties up).
+template <int FMT>
+ZD_DEVICE float round_scale(float s) {
+  if constexpr (FMT == kScaleE4M3) {
+    s = fminf(fmaxf(s, 0.001953125f), 448.f);  // [2^-9, 448]
+    uint16_t b;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));  // s -> low byte
+    return __low2float(u32_as_h2(scales_to_half2<kScaleE4M3>(b)));
+  } else {
+    const float e = fminf(fmaxf(floorf(log2f(fmaxf(s, 5.877471754e-39f)) + 0.5f), -127.f), 127.f);
+    return exp2f(e);
+  }
+}
+
+// The storage byte of an already-rounded scale (runtime/kv/scales.encode_scale).
+template <int FMT>
+ZD_DEVICE uint32_t encode_scale(float s) {
+  if constexpr (FMT == kScaleE4M3) {
+    uint16_t b;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));
+    return b & 0xFFu;
+  } else {
+    return uint32_t(int(rintf(log2f(s))) + 127);
+  }
+}
+
 // ---- code expansion -----------------------------------------------------------------------------
 //
 // Both expansions give, for one code word w (code j at bits [2j, 2j+1]):

@@ -42,29 +42,6 @@ constexpr int PER_LANE = (MAX_BS + 31) / 32;  // channels of a block each lane h
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(NUM_CAND <= 64, "two candidates per lane at most");
 
-__device__ float round_scale(float s) {
-  if constexpr (SCALE_FMT == zd::kScaleE4M3) {
-    s = fminf(fmaxf(s, 0.001953125f), 448.f);  // [2^-9, 448]
-    uint16_t b;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));  // s -> low byte
-    const __half2 h = zd::u32_as_h2(zd::scales_to_half2<zd::kScaleE4M3>(b));
-    return __low2float(h);
-  } else {
-    const float e = fminf(fmaxf(floorf(log2f(fmaxf(s, 5.877471754e-39f)) + 0.5f), -127.f), 127.f);
-    return exp2f(e);
-  }
-}
-
-__device__ uint32_t encode_scale(float s) {
-  if constexpr (SCALE_FMT == zd::kScaleE4M3) {
-    uint16_t b;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(b) : "f"(0.f), "f"(s));
-    return b & 0xFFu;
-  } else {
-    return uint32_t(int(rintf(log2f(s))) + 127);
-  }
-}
-
 __device__ int nearest_code(float z, float m0, float m1, float m2) {
   return int(z >= m0) + int(z >= m1) + int(z >= m2);  // bucketize(right=True) over the midpoints
 }
@@ -112,11 +89,11 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
 
   float scale;
   if (!mse) {
-    scale = round_scale(s0);
+    scale = zd::round_scale<SCALE_FMT>(s0);
   } else {
     // Lane l rounds candidates l and l + 32 once; the loop takes candidate c from lane c % 32.
-    const float cand_lo = lane < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane])) : 0.f;
-    const float cand_hi = lane + 32 < NUM_CAND ? round_scale(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
+    const float cand_lo = lane < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane])) : 0.f;
+    const float cand_hi = lane + 32 < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
     float best_err = __int_as_float(0x7f800000);
     scale = __shfl_sync(kFull, cand_lo, 0);  // candidate 0, should every error overflow to inf
 #pragma unroll
@@ -160,5 +137,5 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
     for (int e = 0; e < 16; ++e) word |= uint32_t(cs[warp][16 * w + e]) << (2 * e);
     wdst[w] = word;
   }
-  if (lane == 0) scales[page * sp + kvh * sh + (long long)j * nb + warp] = uint8_t(encode_scale(scale));
+  if (lane == 0) scales[page * sp + kvh * sh + (long long)j * nb + warp] = uint8_t(zd::encode_scale<SCALE_FMT>(scale));
 }

@@ -75,7 +75,8 @@ class StaticDecodeIndex:
 
     def __init__(self, bucket: int, device: torch.device) -> None:
         self._staging = Staging((5, bucket), torch.int64, device)
-        self.slot, self.row, self.flush, self.page, self.page_row = self._staging.dev  # [Bp] each
+        self.packed = self._staging.dev  # [5, Bp]
+        self.slot, self.row, self.flush, self.page, self.page_row = self.packed  # [Bp] each
 
     @classmethod
     def allocate(cls, bucket: int, device: torch.device) -> StaticDecodeIndex:
@@ -114,11 +115,20 @@ class Fp2KVCache(KVCache):
         spec: the FP2 format (page size taken from the cache arguments; must equal spec.page_size
             or divide by the tail).
         params: (k_params, v_params) SideParams of this layer; default: uncalibrated constants.
+        static_kernel: whether `write_decode_static` runs as one kernel (kernels/kv_write.py) or as
+            its torch body; default: the kernel where the device and the format allow it.
     """
 
     format = "fp2"
 
-    def __init__(self, *, spec: Fp2Spec, params: tuple[SideParams, SideParams] | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        spec: Fp2Spec,
+        params: tuple[SideParams, SideParams] | None = None,
+        static_kernel: bool | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         for name, side in (("k", spec.k), ("v", spec.v)):
             if side.outlier_frac > 0 or side.pre_rope:
@@ -133,11 +143,6 @@ class Fp2KVCache(KVCache):
         H, D, P, dev = self.num_kv_heads, self.head_dim, self.page_size, self.device
         if params is None:
             params = layer_params(spec, self.layer_idx, H, D)
-        self.params = tuple(p.to(dev) for p in params)
-        feedback = any(s.feedback and p.feedback is not None for s, p in zip((spec.k, spec.v), self.params, strict=True))
-        if feedback and dev.type == "cuda" and supports_head_dim(D):
-            # compile the error-feedback kernel now, not at the first flush (which may be timed)
-            load_feedback_kernel(D, dev)
         # One page and one slot past the pool's are never handed out: a fixed-shape decode write
         # (`write_decode_static`) sends its padding rows and its non-flushing rows there.
         self.scratch_page, self.scratch_slot = self.num_pages, self.tables.max_seqs
@@ -149,6 +154,59 @@ class Fp2KVCache(KVCache):
         self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots + 1, H, hp_rows + 1, D]
         self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
         self.index_memo = DecodeIndexMemo()  # the owner may replace it with one its caches share
+        self._static_write = self._static_writer(static_kernel)
+        self.params = params  # (the setter moves them to the device and derives the kernels' constants)
+
+    @property
+    def params(self) -> tuple[SideParams, SideParams]:
+        """(k, v) SideParams of this layer, on the cache's device."""
+        return self._params
+
+    @params.setter
+    def params(self, params: tuple[SideParams, SideParams]) -> None:
+        dev, D = self.device, self.head_dim
+        self._params = tuple(p.to(dev) for p in params)
+        sides = (self.spec.k, self.spec.v)
+        feedback = any(s.feedback and p.feedback is not None for s, p in zip(sides, self._params, strict=True))
+        if feedback and dev.type == "cuda" and supports_head_dim(D):
+            # compile the error-feedback kernel now, not at the first flush (which may be timed)
+            load_feedback_kernel(D, dev)
+        # The decode-write kernel's feedback rows: each factor row over its diagonal, the IEEE
+        # quotients the torch loop and fp2_feedback.cu compute at each use (bit-identical codes).
+        self._fb_rows = tuple(
+            (p.feedback.float() / p.feedback.float().diagonal(dim1=-2, dim2=-1)[..., None]).contiguous()
+            if s.feedback and p.feedback is not None else None
+            for s, p in zip(sides, self._params, strict=True)
+        )  # fmt: skip
+        self._levels = tuple(p.levels.float().contiguous() for p in self._params)
+
+    def _static_writer(self, want: bool | None):
+        """The decode-write kernel for `write_decode_static` (None: its torch body). `want` None:
+        the kernel where the device and the format allow it; True: the kernel or ConfigError."""
+        from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite, unsupported
+
+        sides = (self.spec.k, self.spec.v)
+        why = None
+        if self.device.type != "cuda":
+            why = f"the cache is on {self.device}"
+        elif not self.static_decode_ok or any(s.asymmetric for s in sides):
+            why = "the format is not flushed 1 token at a time into symmetric channel blocks"
+        else:
+            why = unsupported(
+                self.head_dim, tuple(s.block_size for s in sides), tuple(s.scale_dtype for s in sides),
+                tuple(s.scale_rule for s in sides),
+            )  # fmt: skip
+        if why is not None:
+            if want:
+                raise ConfigError(f"the FP2 decode-write kernel cannot serve this cache: {why}")
+            return None
+        if want is False:
+            return None
+        from zerodram.runtime.kv.quantize import MSE_FRACTIONS
+
+        self._fracs = MSE_FRACTIONS.float().to(self.device)
+        cfg = DecodeWriteConfig(self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype)
+        return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), self.device)
 
     # -- accounting --
     def _flushed(self, n: int) -> int:
@@ -255,6 +313,14 @@ class Fp2KVCache(KVCache):
         quantization lands in the scratch page and the tail stays. The same cache contents as
         `append_decode` of the real rows (tests/test_kv_cache.py)."""
         S, W = self.spec.num_sinks, self.rule.window
+        if self._static_write is not None:  # the same, in one launch (kernels/kv_write.py)
+            kp, vp = self.params
+            self._static_write(
+                to_stored_space(k, kp).to(torch.bfloat16), to_stored_space(v, vp).to(torch.bfloat16), ix.packed,
+                self.hp_k, self.hp_v, self.k.codes, self.v.codes, self.k.scales, self.v.scales, *self._levels,
+                self._fracs, *self._fb_rows, S, W,
+            )  # fmt: skip
+            return
         keep = (ix.flush == 0)[:, None, None, None]  # [Bp, 1, 1, 1]
         for pages, hp, side, params, x in (
             (self.k, self.hp_k, self.spec.k, self.params[0], k),

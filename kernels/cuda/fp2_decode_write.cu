@@ -1,0 +1,229 @@
+// The engine's fixed-shape FP2 decode write in one launch: runtime/kv/fp2_cache.py's
+// `write_decode_static` (its torch body is the reference) for formats that flush one token at a
+// time into channel blocks, symmetric scales, absmax or MSE rule, nearest or error-feedback codes.
+//
+// Shape legend: Bp padded batch rows, H KV heads, D head dim (HEAD_DIM), R bf16 rows per sequence
+// slot (sinks S, window W, one arriving row), P page size, BS channels per scale block (K_BLOCK /
+// V_BLOCK), NB = D / BS, PER = D / 32 channels per lane, C = NUM_CAND candidate scales.
+//
+// grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
+//   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
+//   2. warp 0 reads the oldest tail row (row S) into registers, lane l holding channels l + 32 i;
+//   3. where the row flushes, the whole CTA moves rows S + 1 .. S + W up by one (the torch body's
+//      "tail moves up"); elsewhere the tail stays and the quantized row goes to the scratch page;
+//   4. warp 0 picks each block's scale (absmax, or the MSE search of attn_fp2_write.cu: candidates
+//      round(absmax / max|L| * frac_c), codes placed by y >= s_c * m_i, first least error; the
+//      errors summed in fp64, as the torch search's prefix sums are, so that both pick the same
+//      candidate unless two errors agree to ~1e-13), then
+//      the codes: nearest (y / s >= m_i) or error feedback channel by channel as fp2_feedback.cu,
+//      bit for bit, from the factor rows pre-divided by their diagonal (`rows`: the same IEEE
+//      quotients that kernel recomputes at each use);
+//   5. codes packed 16 to a word by warp shuffles, scales encoded, both stored at (page, page row).
+//
+// Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
+// write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
+// before any thread stores it, so a store never lands on a row a later chunk still reads. The
+// feedback chain is sequential over D channels (one division, one shuffle deep per channel): the
+// factor rows are loaded PREFETCH channels ahead into a register ring (the loop is unrolled so the
+// ring stays in registers), keeping the L2 latency off the chain. Padding rows all name the
+// scratch slot and page: their writes race, and nothing reads them.
+#include <cuda_bf16.h>
+
+#include "attn_fp2_common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef K_BLOCK
+#define K_BLOCK 64
+#endif
+#ifndef V_BLOCK
+#define V_BLOCK 64
+#endif
+#ifndef SCALE_FMT
+#define SCALE_FMT 0  // 0: E4M3, 1: E8M0
+#endif
+#ifndef NUM_CAND
+#define NUM_CAND 33
+#endif
+
+namespace {
+constexpr int D = HEAD_DIM;
+constexpr int PER = D / 32;
+constexpr int NUM_THREADS = 128;
+constexpr int PREFETCH = 8;
+constexpr unsigned kFull = 0xffffffffu;
+static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256");
+static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
+static_assert(NUM_CAND <= 64, "two candidates per lane at most");
+
+// Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
+// 16-byte words, by the whole CTA (see the hazards above).
+__device__ void shift_tail(__nv_bfloat16* row_s, int window) {
+  constexpr int WORDS = 2;  // uint4 per thread per chunk
+  const int n = window * D / 8;
+  uint4* dst = reinterpret_cast<uint4*>(row_s);
+  const uint4* src = reinterpret_cast<const uint4*>(row_s + D);
+  for (int base = 0; base < n; base += NUM_THREADS * WORDS) {
+    uint4 r[WORDS];
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * NUM_THREADS + threadIdx.x;
+      if (i < n) r[k] = src[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * NUM_THREADS + threadIdx.x;
+      if (i < n) dst[i] = r[k];
+    }
+  }
+}
+
+// Step 4 and 5 for one side (BS channels per block), warp 0 only; v: the row, lane-strided.
+template <int BS>
+__device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float* __restrict__ fracs,
+                             bool mse, const float* __restrict__ rows, uint32_t* __restrict__ words,
+                             uint8_t* __restrict__ scale_bytes) {
+  constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
+  const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
+  // midpoints(): (L[i + 1] + L[i]) / 2, a halving being exact either way
+  const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
+  const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
+  const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
+  const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
+
+  float scale[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = b * SPB; i < (b + 1) * SPB; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    const float s0 = __fdiv_rn(amax, lmax);
+    if (!mse) {
+      scale[b] = zd::round_scale<SCALE_FMT>(s0);
+      continue;
+    }
+    // Lane l rounds candidates l and l + 32 once; candidate c comes from lane c % 32.
+    const float cand_lo = lane < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane])) : 0.f;
+    const float cand_hi = lane + 32 < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
+    double best = __longlong_as_double(0x7ff0000000000000ll);  // +inf
+    scale[b] = __shfl_sync(kFull, cand_lo, 0);  // candidate 0, should every error overflow to inf
+#pragma unroll
+    for (int c = 0; c < NUM_CAND; ++c) {
+      const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);
+      const float t0 = __fmul_rn(cand, m0), t1 = __fmul_rn(cand, m1), t2 = __fmul_rn(cand, m2);
+      const float q0 = __fmul_rn(l0, cand), q1 = __fmul_rn(l1, cand), q2 = __fmul_rn(l2, cand);
+      const float q3 = __fmul_rn(l3, cand);
+      double err = 0.0;
+#pragma unroll
+      for (int i = b * SPB; i < (b + 1) * SPB; ++i) {
+        const float y = v[i];
+        const float q = y >= t1 ? (y >= t2 ? q3 : q2) : (y >= t0 ? q1 : q0);
+        const double d = double(y) - double(q);
+        err = fma(d, d, err);
+      }
+#pragma unroll
+      for (int off = 16; off; off >>= 1) err += __shfl_xor_sync(kFull, err, off);
+      if (err < best) best = err, scale[b] = cand;
+    }
+  }
+
+  int code[PER] = {};
+  if (rows == nullptr) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const float z = __fdiv_rn(v[i], scale[i / SPB]);
+      code[i] = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));  // bucketize(right=True)
+    }
+  } else {
+    float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
+#pragma unroll
+    for (int p = 0; p < PREFETCH; ++p)
+#pragma unroll
+      for (int i = 0; i < PER; ++i) ring[p][i] = __ldg(rows + p * D + 32 * i + lane);
+#pragma unroll
+    for (int c = 0; c < D; ++c) {
+      const int i0 = c / 32, src = c % 32;
+      const float s = scale[i0 / SPB];
+      const float z = __fdiv_rn(v[i0], s);
+      const int k = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));
+      if (lane == src) code[i0] = k;
+      const float lvl = k == 0 ? l0 : k == 1 ? l1 : k == 2 ? l2 : l3;
+      const float err = __shfl_sync(kFull, __fsub_rn(v[i0], __fmul_rn(lvl, s)), src);
+      // channels j <= c of slot i0 are updated too: never read again, and a branch costs more
+#pragma unroll
+      for (int i = i0; i < PER; ++i) v[i] = __fsub_rn(v[i], __fmul_rn(ring[c % PREFETCH][i], err));
+      if (c + PREFETCH < D) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) ring[c % PREFETCH][i] = __ldg(rows + (c + PREFETCH) * D + 32 * i + lane);
+      }
+    }
+  }
+
+  // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    uint32_t w = uint32_t(code[i]) << (2 * (lane & 15));
+#pragma unroll
+    for (int off = 1; off < 16; off <<= 1) w |= __shfl_xor_sync(kFull, w, off);
+    if ((lane & 15) == 0) words[2 * i + (lane >> 4)] = w;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) scale_bytes[b] = uint8_t(zd::encode_scale<SCALE_FMT>(scale[b]));
+  }
+}
+}  // namespace
+
+// yk, yv        [Bp, H, D] bf16: the new tokens in the stored space
+// index         [5, Bp] int64: slot, row, flush (nonzero: yes), page, page row (StaticDecodeIndex)
+// hp_k, hp_v    [slots + 1, H, R, D] bf16: the bf16 regions
+// k_codes, v_codes    [pages + 1, H, P, D / 16] int32; k_scales, v_scales [pages + 1, H, P, NB] uint8
+// k_levels, v_levels  [4] fp32 sorted; fracs [C] fp32 (MSE candidates)
+// k_rows, v_rows      [H, D, D] fp32 feedback factor / its diagonal per row, or null (nearest codes)
+// rules         bit 0: keys take the MSE rule (else absmax), bit 1: values
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+    fp2_decode_write(const __nv_bfloat16* __restrict__ yk, const __nv_bfloat16* __restrict__ yv,
+                     const long long* __restrict__ index, __nv_bfloat16* hp_k, __nv_bfloat16* hp_v, int hp_rows,
+                     uint32_t* __restrict__ k_codes, uint32_t* __restrict__ v_codes, uint8_t* __restrict__ k_scales,
+                     uint8_t* __restrict__ v_scales, int page_size, const float* __restrict__ k_levels,
+                     const float* __restrict__ v_levels, const float* __restrict__ fracs,
+                     const float* __restrict__ k_rows, const float* __restrict__ v_rows, int num_sinks, int window,
+                     int rules) {
+  const int b = blockIdx.x, h = blockIdx.y, side = blockIdx.z;
+  const int Bp = gridDim.x, H = gridDim.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long slot = index[b], row = index[Bp + b], page = index[3 * Bp + b], prow = index[4 * Bp + b];
+  const bool flush = index[2 * Bp + b] != 0;
+
+  __nv_bfloat16* hp = (side == 0 ? hp_k : hp_v) + (slot * H + h) * hp_rows * D;  // [R, D] of (slot, head)
+  const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)b * H + h) * D;
+
+  // 1. the new token to its row
+  if (threadIdx.x < D / 8)
+    reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
+  __syncthreads();
+
+  // 2. the oldest tail row, lane-strided, into warp 0
+  float v[PER];
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
+  }
+  // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
+  if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
+  if (warp != 0) return;
+
+  // 4, 5. scales, codes, stores at (page, page row): the real page, or the scratch page
+  const long long at = (page * H + h) * page_size + prow;
+  if (side == 0)
+    quantize_row<K_BLOCK>(v, lane, k_levels, fracs, rules & 1, k_rows == nullptr ? nullptr : k_rows + (long long)h * D * D,
+                          k_codes + at * (D / 16), k_scales + at * (D / K_BLOCK));
+  else
+    quantize_row<V_BLOCK>(v, lane, v_levels, fracs, (rules >> 1) & 1,
+                          v_rows == nullptr ? nullptr : v_rows + (long long)h * D * D, v_codes + at * (D / 16),
+                          v_scales + at * (D / V_BLOCK));
+}

@@ -1,0 +1,100 @@
+"""Launch wrapper of the engine's FP2 decode write (kernels/cuda/fp2_decode_write.cu).
+
+Shape legend: Bp padded batch rows, H KV heads, D head dim, R bf16 rows per sequence slot, P page
+size, NB scale blocks per token, C candidate scales.
+
+`Fp2DecodeWrite` is `Fp2KVCache.write_decode_static`'s body after the move to the stored space, in
+one launch: the new token to its bf16 row, the oldest tail row quantized into its page row (scale
+search, nearest or error-feedback codes, packing), the tail moved up where the row flushes. The
+cache builds it once (`supported` says which formats it takes), checks its tensors' layouts there,
+and calls it with fixed-shape device tensors: no allocation, no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zerodram.kernels.jit import BuildOptions
+from zerodram.kernels.module import launch, load_module, ptr
+
+SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
+RULES = ("absmax", "mse")
+NUM_THREADS = 128  # the kernel's CTA
+
+
+@dataclass(frozen=True)
+class DecodeWriteConfig:
+    """Compile-time shape: one cubin per distinct config."""
+
+    head_dim: int
+    k_block: int
+    v_block: int
+    scale_dtype: str
+
+    def build_options(self) -> BuildOptions:
+        defines = {
+            "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
+            "SCALE_FMT": SCALE_FMTS[self.scale_dtype],
+        }  # fmt: skip
+        return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
+
+
+def unsupported(head_dim: int, blocks: tuple[int, int], scale_dtypes: tuple[str, str], rules: tuple[str, str]) -> str | None:
+    """Why the kernel cannot write this format (None: it can). Channel blocks, symmetric scales
+    and no outliers are the caller's to check (the static write requires them anyway)."""
+    if head_dim % 32 or head_dim > 256:
+        return f"head dim {head_dim} (the kernel takes multiples of 32 up to 256)"
+    if any(b % 32 or head_dim % b for b in blocks):
+        return f"channel blocks {blocks} (multiples of 32 dividing the head dim)"
+    if scale_dtypes[0] != scale_dtypes[1] or scale_dtypes[0] not in SCALE_FMTS:
+        return f"scale dtypes {scale_dtypes} (both e4m3 or both e8m0)"
+    if any(r not in RULES for r in rules):
+        return f"scale rules {rules} (absmax or mse)"
+    return None
+
+
+class Fp2DecodeWrite:
+    """The compiled kernel of one config, loaded on `device` at construction (never in a capture)."""
+
+    def __init__(self, cfg: DecodeWriteConfig, rules: tuple[str, str], device: torch.device) -> None:
+        self.cfg = cfg
+        self.rules = int(rules[0] == "mse") | (int(rules[1] == "mse") << 1)
+        self.device = device
+        with torch.cuda.device(device):
+            self._kernel = load_module("fp2_decode_write", cfg.build_options()).kernel("fp2_decode_write")
+
+    def __call__(
+        self,
+        yk: torch.Tensor,  # [Bp, H, D] bf16, stored space
+        yv: torch.Tensor,
+        index: torch.Tensor,  # [5, Bp] int64: slot, row, flush, page, page row
+        hp_k: torch.Tensor,  # [slots + 1, H, R, D] bf16
+        hp_v: torch.Tensor,
+        k_codes: torch.Tensor,  # [pages + 1, H, P, D / 16] int32
+        v_codes: torch.Tensor,
+        k_scales: torch.Tensor,  # [pages + 1, H, P, NB] uint8
+        v_scales: torch.Tensor,
+        k_levels: torch.Tensor,  # [4] fp32
+        v_levels: torch.Tensor,
+        fracs: torch.Tensor,  # [C] fp32
+        k_rows: torch.Tensor | None,  # [H, D, D] fp32: feedback factor over its diagonal, or None
+        v_rows: torch.Tensor | None,
+        num_sinks: int,
+        window: int,
+    ) -> None:
+        Bp, H, D = yk.shape
+        for name, t in (("yk", yk), ("yv", yv)):  # the per-call inputs; the cache's own were checked once
+            if t.shape != (Bp, H, D) or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != self.device:
+                raise ValueError(f"{name} must be contiguous bf16 [{Bp}, {H}, {D}] on {self.device}")
+        opt = lambda t: np.uint64(0) if t is None else ptr(t)  # noqa: E731
+        args = (
+            ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
+            ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
+            ptr(k_levels), ptr(v_levels), ptr(fracs), opt(k_rows), opt(v_rows),
+            np.int32(num_sinks), np.int32(window), np.int32(self.rules),
+        )  # fmt: skip
+        if Bp:
+            launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args)
