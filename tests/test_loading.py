@@ -40,6 +40,22 @@ def test_random_weights_do_not_depend_on_placement() -> None:
     torch.testing.assert_close(shard["layers.0.q"], one["layers.0.q"])
 
 
+def test_random_dense_slices_cut_the_dense_ffn() -> None:
+    """A dense config served as n slices draws the dense FFN and cuts it, so every slicing (and the
+    dense model) computes one function: a 1-rank and a 2-rank engine of random:smollm2-135m agree."""
+    dense = named_config("tiny-dense")
+    want = random_weights(dense, None, 0, dtype=torch.float32)
+    for n in (1, 2, 4):
+        cfg = dense.as_dense_moe(n)
+        p = ExpertPlacement.contiguous(n, 2) if n > 1 else None
+        shards = [random_weights(cfg, p, r, dtype=torch.float32) for r in ((0, 1) if p else (0,))]
+        for i in range(dense.num_layers):
+            pre = f"layers.{i}."
+            for name, dim in (("gate", 0), ("up", 0), ("down", 1)):
+                got = torch.cat([e for w in shards for e in w[pre + "experts." + name]], dim)
+                torch.testing.assert_close(got, want[pre + "ffn." + name], rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     transformers = pytest.importorskip("transformers")

@@ -153,6 +153,9 @@ class Engine:
         if self.config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self._capture(self.config.cuda_graphs == "auto")
         self.on_error: Callable[[str], None] | None = None
+        # Diagnostics: called each step with the sampled rows' request ids and their logits [N, V]
+        # before sampling (tests compare ranks' logits through it; None costs nothing).
+        self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
 
     def _capture(self, auto: bool) -> DecodeGraphs | None:
         """The decode step's graphs; under "auto", None (eager decode, logged) where they would not
@@ -174,7 +177,9 @@ class Engine:
         # The whole step in one graph where the KV writes and the attention have a fixed shape
         # (FP2 through the fused kernels, flushing one token at a time), else piecewise.
         fused = self.attn.decode if isinstance(self.attn.decode, Fp2FusedDecode) else None
-        static = (self.kv, fused) if fused is not None and getattr(self.kv, "static_decode_ok", False) else None
+        static = (
+            (self.kv, fused) if fused is not None and getattr(self.kv, "static_decode_ok", False) else None
+        )
         try:
             return DecodeGraphs(
                 self.model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
@@ -183,7 +188,10 @@ class Engine:
             if not auto:
                 raise
             torch.cuda.synchronize()
-            log.warning("cuda_graphs auto: capture failed, eager decode: %s", str(err).splitlines()[0] if str(err) else err)
+            log.warning(
+                "cuda_graphs auto: capture failed, eager decode: %s",
+                str(err).splitlines()[0] if str(err) else err,
+            )
             return None
 
     # --- lifetime ------------------------------------------------------------------------------
@@ -284,6 +292,8 @@ class Engine:
             failed = {ev.request_id for ev in events}
             keep = [i for i, r in enumerate(sampled) if r.request_id not in failed]
             sampled, logits = [sampled[i] for i in keep], logits[keep]
+        if self.on_logits is not None:
+            self.on_logits([r.request_id for r in sampled], logits)
         with self.model.timer.phase("sampling"):
             tokens = sample(
                 logits,

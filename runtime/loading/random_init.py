@@ -3,6 +3,8 @@
 Every tensor is drawn from its own generator seeded by (seed, tensor name), and expert e's from
 (seed, layer, e), so ranks agree on the replicated tensors and an expert's values do not depend on
 where it is placed: a 1-rank and an 8-rank run of the same config compute the same function.
+A dense model served as MoE (`dense_slices`) draws its dense FFN under the dense names and cuts
+it, so any number of slices, on any number of ranks, computes the dense model's function.
 Scales keep activations O(1): projections ~ N(0, 1/fan_in), norms 1, router N(0, 1/D).
 """
 
@@ -80,9 +82,18 @@ def random_weights(
             w[p + "shared.down"] = rnd(p + "shared.down", D, Fs)
             if c.shared_expert_gate:
                 w[p + "shared.sigmoid_gate"] = rnd(p + "shared.sigmoid_gate", 1, D)
-        gate = [rnd(f"{p}experts.{e}.gate", F, D) for e in local]
-        up = [rnd(f"{p}experts.{e}.up", F, D) for e in local]
-        down = [rnd(f"{p}experts.{e}.down", D, F) for e in local]
+        if c.router_kind == "dense_slices":  # expert e: rows (gate, up) / columns (down) e*F .. (e+1)*F
+            Fd = c.intermediate_size
+            whole = {
+                n: rnd(p + "ffn." + n, *((D, Fd) if n == "down" else (Fd, D))) for n in ("gate", "up", "down")
+            }
+            gate = [whole["gate"][e * F : (e + 1) * F] for e in local]
+            up = [whole["up"][e * F : (e + 1) * F] for e in local]
+            down = [whole["down"][:, e * F : (e + 1) * F] for e in local]
+        else:
+            gate = [rnd(f"{p}experts.{e}.gate", F, D) for e in local]
+            up = [rnd(f"{p}experts.{e}.up", F, D) for e in local]
+            down = [rnd(f"{p}experts.{e}.down", D, F) for e in local]
         empty = (0, F, D)
         w[p + "experts.gate"] = torch.stack(gate) if gate else torch.empty(empty, dtype=dtype, device=device)
         w[p + "experts.up"] = torch.stack(up) if up else torch.empty(empty, dtype=dtype, device=device)
