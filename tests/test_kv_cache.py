@@ -14,7 +14,15 @@ from zerodram.runtime.kv.errors import KVCapacityError, KVInputError
 from zerodram.runtime.kv.pack import unpack_codes
 
 H, D, P = 2, 64, 64
-FORMATS = ["bf16", "fp8", "fp2", "fp2:kblk=t32,vblk=c32,scale=e8m0,asym=1,rot=0", "fp2:sinks=0,tail=64", "fp2:tail=1,window=32", "fp2:kblk=t16,tail=16,window=8"]
+FORMATS = [
+    "bf16",
+    "fp8",
+    "fp2",
+    "fp2:kblk=t32,vblk=c32,scale=e8m0,asym=1,rot=0",
+    "fp2:sinks=0,tail=64",
+    "fp2:tail=1,window=32",
+    "fp2:kblk=t16,tail=16,window=8",
+]
 
 
 def _cache(fmt: str, num_pages: int = 8, **kw):
@@ -86,7 +94,9 @@ def test_fp2_pages_match_documented_layout() -> None:
     words = c.k.codes[page]  # [H, P, D/16]
     codes = unpack_codes(words)  # [H, P, D]
     y = to_stored_space(k, c.params[0]).to(torch.bfloat16).float()
-    ref = quantize_tokens(y, c.spec.k, c.params[0].__class__(levels=c.params[0].levels, anchor=torch.ones(H, D)))
+    ref = quantize_tokens(
+        y, c.spec.k, c.params[0].__class__(levels=c.params[0].levels, anchor=torch.ones(H, D))
+    )
     assert torch.equal(codes.transpose(0, 1), ref.codes)
     t, h, ch = 5, 1, 37
     bit = (int(words[h, t, ch // 16]) & 0xFFFFFFFF) >> (2 * (ch % 16)) & 3
@@ -211,7 +221,10 @@ def _state(c) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("fmt", "device"),
-    [(f, "cpu") for f in FORMATS] + [pytest.param("fp2", "cuda", marks=pytest.mark.gpu)],  # CUDA: the feedback kernel
+    [(f, "cpu") for f in FORMATS]
+    + [
+        pytest.param(f, "cuda", marks=pytest.mark.gpu) for f in ("fp2", "fp2:tail=1,window=32")
+    ],  # the CUDA kernels
 )
 def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> None:
     """append_decode over a batch writes exactly what one append per sequence writes: sequences at
@@ -253,7 +266,9 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu"),
         pytest.param("fp2:tail=1,window=32", "cuda", marks=pytest.mark.gpu),
         pytest.param("fp2:fb=1,tail=1,window=47", "cuda", marks=pytest.mark.gpu),  # DEFAULT_FP2
-        pytest.param("fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", marks=pytest.mark.gpu),
+        pytest.param(
+            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", marks=pytest.mark.gpu
+        ),
     ],
 )
 def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None:

@@ -40,7 +40,9 @@ class _SidePages:
     def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device) -> None:
         self.side = side
         bs = side.block_size
-        self.codes = torch.zeros(num_pages, H, P, D // 16, dtype=torch.int32, device=device)  # [pages, H, P, D/16]
+        self.codes = torch.zeros(
+            num_pages, H, P, D // 16, dtype=torch.int32, device=device
+        )  # [pages, H, P, D/16]
         sshape = (num_pages, H, P, D // bs) if side.block_axis == "channel" else (num_pages, H, P // bs, D)
         sdt = {"e4m3": torch.uint8, "e8m0": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
         self.scales = torch.zeros(sshape, dtype=sdt[side.scale_dtype], device=device)
@@ -100,12 +102,13 @@ class StaticDecodeIndex:
 
 @dataclass
 class DecodeIndexMemo:
-    """The last decode append's indices (key: layout S, P, F; sequences, rows, flushes). A partition gives all of
-    its layers' caches one memo, so a step copies its indices to the device once, not per layer."""
+    """The last decode append's indices (key: layout S, P, F; sequences, rows, flushes), or the
+    decode-write kernel's [5, B] index (key: "kernel", ...). A partition gives all of its layers'
+    caches one memo, so a step copies its indices to the device once, not per layer."""
 
     key: tuple | None = None
     device: torch.device | None = None
-    value: _DecodeIndices | None = None
+    value: _DecodeIndices | torch.Tensor | None = None
 
 
 class Fp2KVCache(KVCache):
@@ -134,7 +137,9 @@ class Fp2KVCache(KVCache):
             if side.outlier_frac > 0 or side.pre_rope:
                 raise ConfigError(f"the paged FP2 cache does not support outliers or pre-RoPE ({name})")
             if side.block_axis == "channel" and self.head_dim % side.block_size:
-                raise ConfigError(f"{name} channel blocks of {side.block_size} do not divide head dim {self.head_dim}")
+                raise ConfigError(
+                    f"{name} channel blocks of {side.block_size} do not divide head dim {self.head_dim}"
+                )
         if self.page_size % spec.tail_tokens:
             raise ConfigError(f"tail of {spec.tail_tokens} tokens must divide the page size {self.page_size}")
         if self.head_dim % 16:
@@ -151,7 +156,9 @@ class Fp2KVCache(KVCache):
         self.rule = tail_rule(spec)
         rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
         n_slots = self.tables.max_seqs + 1
-        self.hp_k = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)  # [slots + 1, H, hp_rows + 1, D]
+        self.hp_k = torch.zeros(
+            n_slots, H, rows, D, dtype=torch.bfloat16, device=dev
+        )  # [slots + 1, H, hp_rows + 1, D]
         self.hp_v = torch.zeros(n_slots, H, rows, D, dtype=torch.bfloat16, device=dev)
         self.index_memo = DecodeIndexMemo()  # the owner may replace it with one its caches share
         self._static_write = self._static_writer(static_kernel)
@@ -167,7 +174,9 @@ class Fp2KVCache(KVCache):
         dev, D = self.device, self.head_dim
         self._params = tuple(p.to(dev) for p in params)
         sides = (self.spec.k, self.spec.v)
-        feedback = any(s.feedback and p.feedback is not None for s, p in zip(sides, self._params, strict=True))
+        feedback = any(
+            s.feedback and p.feedback is not None for s, p in zip(sides, self._params, strict=True)
+        )
         if feedback and dev.type == "cuda" and supports_head_dim(D):
             # compile the error-feedback kernel now, not at the first flush (which may be timed)
             load_feedback_kernel(D, dev)
@@ -249,6 +258,9 @@ class Fp2KVCache(KVCache):
         # a fixed number of tensor ops. A token goes to its sink row or the end of its tail; the
         # sequences whose tail then holds W + F rows flush their oldest F (one quantize call for
         # all of them: flushes are independent) and move the other W up.
+        if self._static_write is not None:  # flush 1: the fixed-shape write's kernel, unpadded
+            self._kernel_write(k, v, self._kernel_index(seq_ids, pos0))
+            return
         idx = self._decode_indices(seq_ids, pos0)
         S, F = self.spec.num_sinks, self.rule.flush
         W = self.rule.window
@@ -260,7 +272,9 @@ class Fp2KVCache(KVCache):
             if idx.fl_slot is None:
                 continue
             fl_slot, page_t, prow_t = idx.fl_slot, idx.page, idx.page_row
-            y = hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])  # [Bf * F, H, D]
+            y = (
+                hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])
+            )  # [Bf * F, H, D]
             codes, scales, offsets = quantize_stored(y.float(), side, params)
             pages.codes[page_t, :, prow_t] = pack_codes(codes)  # [Bf * F, H, D/16]
             raw = encode_scale(scales, side.scale_dtype)
@@ -294,6 +308,13 @@ class Fp2KVCache(KVCache):
         seq_ids = self._decode_seqs(seq_ids)
         pos0 = [self.tables.lens[sid] for sid in seq_ids]
         self._grow([(sid, self._pages_needed(p, 1)) for sid, p in zip(seq_ids, pos0, strict=True)])
+        plan = self._static_rows(seq_ids, pos0)
+        for sid, p in zip(seq_ids, pos0, strict=True):
+            self.tables.lens[sid] = p + 1
+        return plan
+
+    def _static_rows(self, seq_ids: list[int], pos0: list[int]) -> tuple[list[int], ...]:
+        """(slots, rows, flushes, pages, page rows) of one token per sequence at pos0 (pages given)."""
         S, P = self.spec.num_sinks, self.page_size
         rows, flush, page, page_row = [], [], [], []
         for sid, p in zip(seq_ids, pos0, strict=True):
@@ -303,7 +324,6 @@ class Fp2KVCache(KVCache):
             flush.append(int(fl))
             page.append(self.tables.pages[sid][f0 // P] if fl else self.scratch_page)
             page_row.append(f0 % P if fl else 0)
-            self.tables.lens[sid] = p + 1
         return seq_ids, rows, flush, page, page_row
 
     def write_decode_static(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex) -> None:
@@ -314,12 +334,7 @@ class Fp2KVCache(KVCache):
         `append_decode` of the real rows (tests/test_kv_cache.py)."""
         S, W = self.spec.num_sinks, self.rule.window
         if self._static_write is not None:  # the same, in one launch (kernels/kv_write.py)
-            kp, vp = self.params
-            self._static_write(
-                to_stored_space(k, kp).to(torch.bfloat16), to_stored_space(v, vp).to(torch.bfloat16), ix.packed,
-                self.hp_k, self.hp_v, self.k.codes, self.v.codes, self.k.scales, self.v.scales, *self._levels,
-                self._fracs, *self._fb_rows, S, W,
-            )  # fmt: skip
+            self._kernel_write(k, v, ix.packed)
             return
         keep = (ix.flush == 0)[:, None, None, None]  # [Bp, 1, 1, 1]
         for pages, hp, side, params, x in (
@@ -327,7 +342,9 @@ class Fp2KVCache(KVCache):
             (self.v, self.hp_v, self.spec.v, self.params[1], v),
         ):
             hp[ix.slot, :, ix.row] = to_stored_space(x, params).to(torch.bfloat16)  # [Bp, H, D]
-            codes, scales, offsets = quantize_stored(hp[ix.slot, :, S].float(), side, params)  # oldest tail row
+            codes, scales, offsets = quantize_stored(
+                hp[ix.slot, :, S].float(), side, params
+            )  # oldest tail row
             pages.codes[ix.page, :, ix.page_row] = pack_codes(codes, check_range=False)  # [Bp, H, D/16]
             pages.scales[ix.page, :, ix.page_row] = encode_scale(scales, side.scale_dtype)
             if pages.offsets is not None:
@@ -335,6 +352,25 @@ class Fp2KVCache(KVCache):
             if W:
                 tail = hp[ix.slot, :, S : S + W]  # [Bp, H, W, D] (a copy)
                 hp[ix.slot, :, S : S + W] = torch.where(keep, tail, hp[ix.slot, :, S + 1 : S + 1 + W])
+
+    def _kernel_write(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> None:
+        """k, v [B, H, D] through the decode-write kernel, where `packed` [5, B] int64 says."""
+        kp, vp = self.params
+        self._static_write(
+            to_stored_space(k, kp).to(torch.bfloat16), to_stored_space(v, vp).to(torch.bfloat16), packed,
+            self.hp_k, self.hp_v, self.k.codes, self.v.codes, self.k.scales, self.v.scales, *self._levels,
+            self._fracs, *self._fb_rows, self.spec.num_sinks, self.rule.window,
+        )  # fmt: skip
+
+    def _kernel_index(self, seq_ids: list[int], pos0: list[int]) -> torch.Tensor:
+        """The kernel's [5, B] index of an eager decode append (one copy per step: every layer asks
+        for the same one, so it comes from `index_memo` after the first)."""
+        plan = self._static_rows(seq_ids, pos0)
+        key = ("kernel", self.spec.num_sinks, self.page_size, *map(tuple, plan))
+        if self.index_memo.key != key or self.index_memo.device != self.device:
+            packed = torch.tensor(plan, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.index_memo.key, self.index_memo.device, self.index_memo.value = key, self.device, packed
+        return self.index_memo.value
 
     def _decode_indices(self, seq_ids: list[int], pos0: list[int]) -> _DecodeIndices:
         """The device index tensors of a decode append; every layer of a step asks for the same
@@ -352,7 +388,13 @@ class Fp2KVCache(KVCache):
         # one host buffer, one copy: slots, rows [B]; flushing slots [Bf]; their pages and page rows [Bf * F]
         fl_pages = [(page, r0 + j) for _, page, r0 in flushing for j in range(F)]
         host = torch.tensor(
-            [*seq_ids, *rows, *(f[0] for f in flushing), *(p for p, _ in fl_pages), *(r for _, r in fl_pages)],
+            [
+                *seq_ids,
+                *rows,
+                *(f[0] for f in flushing),
+                *(p for p, _ in fl_pages),
+                *(r for _, r in fl_pages),
+            ],
             dtype=torch.long,
         )
         dev = host.to(self.device, non_blocking=True)
@@ -368,7 +410,9 @@ class Fp2KVCache(KVCache):
         self.index_memo.key, self.index_memo.device, self.index_memo.value = key, self.device, value
         return value
 
-    def _flush(self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y) -> None:
+    def _flush(
+        self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y
+    ) -> None:
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
         into their page rows."""
         codes, scales, offsets = quantize_stored(y, side, params)  # codes [N, H, D]
@@ -400,7 +444,9 @@ class Fp2KVCache(KVCache):
         self.hp_v[dst] = self.hp_v[src]
 
     # -- reading --
-    def _read_side(self, seq_id: int, pages: _SidePages, hp: torch.Tensor, params: SideParams) -> torch.Tensor:
+    def _read_side(
+        self, seq_id: int, pages: _SidePages, hp: torch.Tensor, params: SideParams
+    ) -> torch.Tensor:
         n = self.seq_len(seq_id)
         S = self.spec.num_sinks
         n_fp2 = self._flushed(n)
@@ -417,7 +463,9 @@ class Fp2KVCache(KVCache):
             if pages.offsets is not None:
                 off = pages.offsets[idx].float().transpose(1, 2).reshape(sc.shape)
             nb = n_fp2 if side.block_axis == "channel" else n_fp2 // side.block_size
-            y = dequantize_blocks(_block_view(codes, side), sc[:nb], None if off is None else off[:nb], params.levels)
+            y = dequantize_blocks(
+                _block_view(codes, side), sc[:nb], None if off is None else off[:nb], params.levels
+            )
             parts.append(_unblock(y, side, codes.shape))
         n_tail = max(0, n - S - n_fp2)
         parts.append(hp[seq_id, :, S : S + n_tail].float().transpose(0, 1))
