@@ -334,6 +334,39 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
         _cache("fp2:tail=4,window=8").plan_decode_static([])
 
 
+def test_mirrored_decode_plan_equals_planning_every_layer() -> None:
+    """A partition plans a decode step on layer 0 and mirrors it on the others: the same pages and
+    lengths as planning each layer, and a layer that has parted (another length, other pages)
+    raises instead of writing where the plan says."""
+    fmt = "fp2:tail=1,window=32"
+    lead, own, mirror = (_cache(fmt, num_pages=24, max_seqs=6) for _ in range(3))
+    seqs = []
+    for n0 in (0, 3, 31, 46, 63, 90):
+        for c in (lead, own, mirror):
+            sid = c.new_sequence()
+            if n0:
+                c.append(sid, *_tokens(n0, seed=n0))
+        seqs.append(sid)
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
+        assert own.plan_decode_static(live) == lead.plan_decode_static(live)
+        mirror.mirror_decode_static(live, lead, live)
+        assert mirror.tables.pages == own.tables.pages and mirror.tables.lens == own.tables.lens
+    one = [seqs[1]]  # at 73 tokens
+    mirror.tables.lens[one[0]] -= 1
+    lead.plan_decode_static(one)
+    with pytest.raises(ZerodramError, match=r"holds 72 tokens, layer 0's 73: .*parted"):
+        mirror.mirror_decode_static(one, lead, one)
+    mirror.tables.lens[one[0]] = lead.tables.lens[one[0]]
+    mirror.allocator.allocate(1)  # the mirror's pool moves alone: its next page differs
+    while len(lead.tables.pages[one[0]]) == len(mirror.tables.pages[one[0]]):
+        lead.plan_decode_static(one)
+        if len(lead.tables.pages[one[0]]) == len(mirror.tables.pages[one[0]]):
+            mirror.mirror_decode_static(one, lead, one)
+    with pytest.raises(ZerodramError, match=r"holds pages .*parted"):
+        mirror.mirror_decode_static(one, lead, one)
+
+
 def test_decode_append_refuses_and_writes_nothing() -> None:
     c = _cache("fp2", num_pages=3, layer_idx=2)
     s0, s1 = c.new_sequence(), c.new_sequence()

@@ -136,7 +136,12 @@ class RuntimeKVPartition:
         return self.nonfinite.take()
 
     def write_decode(
-        self, layer_idx: int, seq_ids: tuple[int, ...], positions: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        seq_ids: tuple[int, ...],
+        positions: tuple[int, ...],
+        k: torch.Tensor,
+        v: torch.Tensor,
     ) -> None:
         """One token per decode sequence, k, v [B, Hkv, Dh]: the cache's batched append."""
         cache, slots = self.caches[layer_idx], [self._slots[s][layer_idx] for s in seq_ids]
@@ -156,23 +161,24 @@ class RuntimeKVPartition:
         """Every layer's cache takes fixed-shape decode writes (FP2 flushing one token at a time)."""
         return all(getattr(c, "static_decode_ok", False) for c in self.caches)
 
-    def plan_decode_static(self, seq_ids: tuple[int, ...], positions: tuple[int, ...]) -> tuple[list[int], ...]:
+    def plan_decode_static(
+        self, seq_ids: tuple[int, ...], positions: tuple[int, ...]
+    ) -> tuple[list[int], ...]:
         """Host half of one decode step's writes, every layer: checks, pages and lengths move now;
-        returns the per-row (slot, row, flush, page, page row) lists, the same in every layer
-        (their pools move together; checked)."""
-        plans = []
-        for layer_idx, cache in enumerate(self.caches):
-            slots = [self._slots[s][layer_idx] for s in seq_ids]
-            for seq_id, slot, pos in zip(seq_ids, slots, positions, strict=True):
-                if pos != cache.tables.lens[slot]:
-                    raise ZerodramError(
-                        f"layer {layer_idx} sequence {seq_id}: write at position {pos}, cache holds "
-                        f"{cache.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
-                    )
-            plans.append(cache.plan_decode_static(slots))
-        if any(p != plans[0] for p in plans[1:]):
-            raise ZerodramError("the layers' KV caches have parted: their decode writes differ")
-        return plans[0]
+        returns the per-row (slot, row, flush, page, page row) lists, the same in every layer.
+        Layer 0 plans; the others mirror it (their pools move together: checked per row)."""
+        lead = self.caches[0]
+        lead_slots = [self._slots[s][0] for s in seq_ids]
+        for seq_id, slot, pos in zip(seq_ids, lead_slots, positions, strict=True):
+            if pos != lead.tables.lens[slot]:
+                raise ZerodramError(
+                    f"layer 0 sequence {seq_id}: write at position {pos}, cache holds "
+                    f"{lead.tables.lens[slot]} tokens (runtime/kv caches are append-only)"
+                )
+        plan = lead.plan_decode_static(lead_slots)
+        for layer_idx, cache in enumerate(self.caches[1:], start=1):
+            cache.mirror_decode_static([self._slots[s][layer_idx] for s in seq_ids], lead, lead_slots)
+        return plan
 
     def write_decode_static(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ix: object, bad: torch.Tensor
@@ -202,9 +208,9 @@ class RuntimeKVPartition:
         cache = self.caches[layer_idx]
         if cache.format != "fp2":
             if cache.dtype == torch.float8_e4m3fn:  # the cache clamps to e4m3's range
-                return k.float().clamp(-448, 448).to(cache.dtype).float(), v.float().clamp(
-                    -448, 448
-                ).to(cache.dtype).float()
+                return k.float().clamp(-448, 448).to(cache.dtype).float(), v.float().clamp(-448, 448).to(
+                    cache.dtype
+                ).float()
             return k.to(cache.dtype).float(), v.to(cache.dtype).float()
         from zerodram.runtime.kv.quantize import fake_quantize
 
