@@ -126,11 +126,11 @@ def test_gpu_cuda_graphs_give_the_eager_tokens(model: str, kv: str, tiny_mixtral
     token at a time, the whole step in one graph per (bucket, FP2 length): KV writes and fused
     attention captured, padded buckets, dense local experts."""
     if model == "smollm2":
-        from zerodram.runtime.loading.checkpoint import ModelSpec
+        from zerodram.runtime.loading.checkpoint import ModelSpec, checkpoint_dir
 
         try:
-            ModelSpec.parse("smollm2")
-        except Exception as err:  # the package that carries the GGUF is missing
+            checkpoint_dir(ModelSpec.parse("smollm2"))  # converted once; needs the package and gguf
+        except Exception as err:  # the package that carries the GGUF, or the gguf reader, is missing
             pytest.skip(f"packaged model unavailable: {err}")
     path = tiny_mixtral[0] if model == "tiny" else model
     prompts = PROMPTS if model == "tiny" else [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
