@@ -6,8 +6,8 @@ size, NB scale blocks per token, C candidate scales.
 `Fp2DecodeWrite` is `Fp2KVCache.write_decode_static`'s body after the move to the stored space, in
 one launch: the new token to its bf16 row, the oldest tail row quantized into its page row (scale
 search, nearest or error-feedback codes, packing), the tail moved up where the row flushes. The
-cache builds it once (`supported` says which formats it takes), checks its tensors' layouts there,
-and calls it with fixed-shape device tensors: no allocation, no host sync (CUDA-graph safe).
+cache builds it once (`unsupported` says which formats it cannot take), checks its own tensors'
+layouts when it sets them, and calls it with fixed-shape device tensors: no allocation, no host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from zerodram.kernels.module import launch, load_module, ptr
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 RULES = ("absmax", "mse")
 NUM_THREADS = 128  # the kernel's CTA
+NUM_CAND = 33  # MSE candidates (runtime/kv/quantize.MSE_FRACTIONS; the cache checks they agree)
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,14 @@ class DecodeWriteConfig:
     def build_options(self) -> BuildOptions:
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
-            "SCALE_FMT": SCALE_FMTS[self.scale_dtype],
+            "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND,
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
 
-def unsupported(head_dim: int, blocks: tuple[int, int], scale_dtypes: tuple[str, str], rules: tuple[str, str]) -> str | None:
+def unsupported(
+    head_dim: int, blocks: tuple[int, int], scale_dtypes: tuple[str, str], rules: tuple[str, str]
+) -> str | None:
     """Why the kernel cannot write this format (None: it can). Channel blocks, symmetric scales
     and no outliers are the caller's to check (the static write requires them anyway)."""
     if head_dim % 32 or head_dim > 256:
@@ -85,10 +88,21 @@ class Fp2DecodeWrite:
         num_sinks: int,
         window: int,
     ) -> None:
+        # The per-call inputs; the cache's own tensors were checked when it set them. Bp is the
+        # grid and the stride between index rows: a mismatch would write through wrong rows.
         Bp, H, D = yk.shape
-        for name, t in (("yk", yk), ("yv", yv)):  # the per-call inputs; the cache's own were checked once
-            if t.shape != (Bp, H, D) or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != self.device:
-                raise ValueError(f"{name} must be contiguous bf16 [{Bp}, {H}, {D}] on {self.device}")
+        for name, t, dtype, shape in (
+            ("yk", yk, torch.bfloat16, (Bp, H, D)), ("yv", yv, torch.bfloat16, (Bp, H, D)),
+            ("index", index, torch.int64, (5, Bp)),
+        ):  # fmt: skip
+            if (
+                tuple(t.shape) != shape
+                or t.dtype != dtype
+                or not t.is_contiguous()
+                or t.device != self.device
+            ):
+                raise ValueError(f"{name} must be contiguous {dtype} {list(shape)} on {self.device}, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")  # fmt: skip
         opt = lambda t: np.uint64(0) if t is None else ptr(t)  # noqa: E731
         args = (
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
@@ -97,4 +111,5 @@ class Fp2DecodeWrite:
             np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip
         if Bp:
-            launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args)
+            with torch.cuda.device(self.device):
+                launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args)

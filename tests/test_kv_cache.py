@@ -281,8 +281,9 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
 
     from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
 
-    a, b = (_cache(fmt, num_pages=24, max_seqs=6, device=device) for _ in range(2))
-    assert (b._static_write is not None) == (device == "cuda")
+    a = _cache(fmt, num_pages=24, max_seqs=6, device=device, static_kernel=False)  # the torch body
+    b = _cache(fmt, num_pages=24, max_seqs=6, device=device)
+    assert a._static_write is None and (b._static_write is not None) == (device == "cuda")
     if "fb=1" in fmt:
         g = torch.Generator().manual_seed(3)
         factor = (torch.eye(D) + 0.2 * torch.randn(H, D, D, generator=g).tril(-1)).transpose(1, 2)  # upper
@@ -352,6 +353,10 @@ def test_mirrored_decode_plan_equals_planning_every_layer() -> None:
         assert own.plan_decode_static(live) == lead.plan_decode_static(live)
         mirror.mirror_decode_static(live, lead, live)
         assert mirror.tables.pages == own.tables.pages and mirror.tables.lens == own.tables.lens
+    other = _cache(fmt, num_pages=24, max_seqs=6)
+    other.new_sequence()  # a slot the lead does not have: this layer keeps seqs[0] in slot 1
+    with pytest.raises(ZerodramError, match=r"slot 1, layer 0 in slot 0: .*parted"):
+        other.mirror_decode_static([1], lead, [seqs[0]])
     one = [seqs[1]]  # at 73 tokens
     mirror.tables.lens[one[0]] -= 1
     lead.plan_decode_static(one)

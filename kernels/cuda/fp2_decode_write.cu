@@ -115,6 +115,9 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
     for (int c = 0; c < NUM_CAND; ++c) {
       const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);
       const float t0 = __fmul_rn(cand, m0), t1 = __fmul_rn(cand, m1), t2 = __fmul_rn(cand, m2);
+      // L * cand is exact in fp32 (a few significant bits each) unless it overflows, which needs
+      // |y| near 2^126 with E8M0 scales: then every error is inf and candidate 0 stays (torch's
+      // fp64 search would still rank them); stored-space values never come near
       const float q0 = __fmul_rn(l0, cand), q1 = __fmul_rn(l1, cand), q2 = __fmul_rn(l2, cand);
       const float q3 = __fmul_rn(l3, cand);
       double err = 0.0;

@@ -171,28 +171,41 @@ class Fp2KVCache(KVCache):
 
     @params.setter
     def params(self, params: tuple[SideParams, SideParams]) -> None:
-        dev, D = self.device, self.head_dim
-        self._params = tuple(p.to(dev) for p in params)
+        """Set before any CUDA graph captures this cache's writes: a graph keeps the addresses of
+        the tensors derived here (and of the params' own), and a later set frees them.
+
+        Raises:
+            ConfigError: a feedback factor or levels the decode-write kernel cannot read.
+        """
+        dev, H, D = self.device, self.num_kv_heads, self.head_dim
+        new = tuple(p.to(dev) for p in params)
         sides = (self.spec.k, self.spec.v)
-        feedback = any(
-            s.feedback and p.feedback is not None for s, p in zip(sides, self._params, strict=True)
-        )
+        feedback = any(s.feedback and p.feedback is not None for s, p in zip(sides, new, strict=True))
         if feedback and dev.type == "cuda" and supports_head_dim(D):
             # compile the error-feedback kernel now, not at the first flush (which may be timed)
             load_feedback_kernel(D, dev)
         # The decode-write kernel's feedback rows: each factor row over its diagonal, the IEEE
         # quotients the torch loop and fp2_feedback.cu compute at each use (bit-identical codes).
-        self._fb_rows = tuple(
+        fb_rows = tuple(
             (p.feedback.float() / p.feedback.float().diagonal(dim1=-2, dim2=-1)[..., None]).contiguous()
             if s.feedback and p.feedback is not None else None
-            for s, p in zip(sides, self._params, strict=True)
+            for s, p in zip(sides, new, strict=True)
         )  # fmt: skip
-        self._levels = tuple(p.levels.float().contiguous() for p in self._params)
+        levels = tuple(p.levels.float().contiguous() for p in new)
+        if self._static_write is not None:  # the kernel reads these raw: [H, D, D] and [4], nothing broadcast
+            for name, rows, lv in zip("kv", fb_rows, levels, strict=True):
+                if rows is not None and tuple(rows.shape) != (H, D, D):
+                    raise ConfigError(
+                        f"{name} feedback factor is {tuple(rows.shape)}, the kernel reads [{H}, {D}, {D}]"
+                    )
+                if tuple(lv.shape) != (4,):
+                    raise ConfigError(f"{name} levels are {tuple(lv.shape)}, need [4]")
+        self._params, self._fb_rows, self._levels = new, fb_rows, levels
 
     def _static_writer(self, want: bool | None):
         """The decode-write kernel for `write_decode_static` (None: its torch body). `want` None:
         the kernel where the device and the format allow it; True: the kernel or ConfigError."""
-        from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite, unsupported
+        from zerodram.kernels.kv_write import NUM_CAND, DecodeWriteConfig, Fp2DecodeWrite, unsupported
 
         sides = (self.spec.k, self.spec.v)
         why = None
@@ -213,6 +226,10 @@ class Fp2KVCache(KVCache):
             return None
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
+        if MSE_FRACTIONS.numel() != NUM_CAND:  # compiled into the kernel
+            raise ConfigError(
+                f"the decode-write kernel takes {NUM_CAND} MSE candidates, not {MSE_FRACTIONS.numel()}"
+            )
         self._fracs = MSE_FRACTIONS.float().to(self.device)
         cfg = DecodeWriteConfig(self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype)
         return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), self.device)
@@ -327,6 +344,11 @@ class Fp2KVCache(KVCache):
         for sid, lid in zip(seq_ids, lead_ids, strict=True):
             n, want = lead.tables.lens[lid], lead.tables.pages[lid]
             have = pages.get(sid)
+            if sid != lid:  # the plan (and a step's static index) names the lead's slots
+                raise ZerodramError(
+                    f"layer {self.layer_idx} keeps a sequence in slot {sid}, layer {lead.layer_idx} in "
+                    f"slot {lid}: the layers' KV caches have parted"
+                )
             if have is None or lens[sid] != n - 1:
                 raise ZerodramError(
                     f"layer {self.layer_idx} sequence slot {sid} holds {lens.get(sid)} tokens, layer "
@@ -385,7 +407,9 @@ class Fp2KVCache(KVCache):
         """k, v [B, H, D] through the decode-write kernel, where `packed` [5, B] int64 says."""
         kp, vp = self.params
         self._static_write(
-            to_stored_space(k, kp).to(torch.bfloat16), to_stored_space(v, vp).to(torch.bfloat16), packed,
+            to_stored_space(k, kp).to(torch.bfloat16).contiguous(),
+            to_stored_space(v, vp).to(torch.bfloat16).contiguous(),
+            packed,
             self.hp_k, self.hp_v, self.k.codes, self.v.codes, self.k.scales, self.v.scales, *self._levels,
             self._fracs, *self._fb_rows, self.spec.num_sinks, self.rule.window,
         )  # fmt: skip
