@@ -32,8 +32,11 @@ from zerodram.runtime.kv.format import DEFAULT_FP2
 FP2 = "fp2"  # bare fp2: no calibration; flushes 32 tokens at a time, so its graphs are piecewise
 
 
-def _time_steps(engine, batch: int, context: int, warmup: int, steps: int, seed: int) -> list[float]:
-    """Milliseconds of each timed decode step of `batch` sequences."""
+def _time_steps(
+    engine, batch: int, context: int, warmup: int, steps: int, seed: int, profile: bool = False
+) -> list[float]:
+    """Milliseconds of each timed decode step of `batch` sequences (`profile`: then print the
+    kernels of 3 more steps, GPU only)."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
     for _ in range(batch):
@@ -60,13 +63,30 @@ def _time_steps(engine, batch: int, context: int, warmup: int, steps: int, seed:
             ms = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
             times.append(ms)
+    if profile and cuda:
+        _profile_steps(engine, 3)
     while engine.has_work:  # let the requests finish (two more tokens each)
         engine.step()
     return times
 
 
+def _profile_steps(engine, n: int) -> None:
+    """The kernels of `n` decode steps, by total device time, and the device time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_us = sum(e.self_device_time_total for e in events)
+    print(f"profile: {total_us / n / 1e3:.3f} ms of device time per step, "
+          f"{sum(e.count for e in events if e.self_device_time_total) // n} kernels and copies per step")  # fmt: skip
+    print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
 def _graph_mode(engine) -> str | None:
-    """"whole" (the step in one graph), "piecewise" (graphs between eager attention calls) or None."""
+    """ "whole" (the step in one graph), "piecewise" (graphs between eager attention calls) or None."""
     if engine.graphs is None:
         return None
     return "whole" if all(s.static_attn is not None for s in engine.graphs.steps.values()) else "piecewise"
@@ -76,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument(
-        "--kv", default=f"{FP2};{DEFAULT_FP2};bf16", help="semicolon-separated KV formats (the default calibrates)"
+        "--kv",
+        default=f"{FP2};{DEFAULT_FP2};bf16",
+        help="semicolon-separated KV formats (the default calibrates)",
     )
     p.add_argument("--batches", default="1,8,16")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
@@ -84,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--dtype", default=None, help="weights: bf16 on GPU, fp32 on CPU by default")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="GPU: after each case's timing, the kernels of 3 steps at the largest batch (torch profiler)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     ctx = one_process_context()
     cuda = ctx is not None
@@ -104,7 +130,15 @@ def main(argv: list[str] | None = None) -> None:
             engine = build_engine(args.model, ctx, config, dtype=dtype)
             build_s = time.perf_counter() - t0
             for b in batches:
-                ms = _time_steps(engine, b, args.context, args.warmup, args.steps, seed=b)
+                ms = _time_steps(
+                    engine,
+                    b,
+                    args.context,
+                    args.warmup,
+                    args.steps,
+                    seed=b,
+                    profile=args.profile and b == max_b,
+                )
                 med = statistics.median(ms)
                 rows.append({
                     "bench": "engine_step", "model": args.model, "device": str(engine.device),
