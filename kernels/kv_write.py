@@ -62,9 +62,15 @@ def unsupported(
 class Fp2DecodeWrite:
     """The compiled kernel of one config, loaded on `device` at construction (never in a capture)."""
 
-    def __init__(self, cfg: DecodeWriteConfig, rules: tuple[str, str], device: torch.device) -> None:
+    def __init__(
+        self, cfg: DecodeWriteConfig, rules: tuple[str, str], fracs: torch.Tensor, device: torch.device
+    ) -> None:
+        """fracs: the MSE candidates' fractions of absmax / max|L| (NUM_CAND of them, compiled in)."""
+        if fracs.numel() != NUM_CAND:
+            raise ValueError(f"the decode-write kernel takes {NUM_CAND} MSE candidates, not {fracs.numel()}")
         self.cfg = cfg
         self.rules = int(rules[0] == "mse") | (int(rules[1] == "mse") << 1)
+        self.fracs = fracs.float().contiguous().to(device)  # [C]
         self.device = device
         with torch.cuda.device(device):
             self._kernel = load_module("fp2_decode_write", cfg.build_options()).kernel("fp2_decode_write")
@@ -82,7 +88,6 @@ class Fp2DecodeWrite:
         v_scales: torch.Tensor,
         k_levels: torch.Tensor,  # [4] fp32
         v_levels: torch.Tensor,
-        fracs: torch.Tensor,  # [C] fp32
         k_rows: torch.Tensor | None,  # [H, D, D] fp32: feedback factor over its diagonal, or None
         v_rows: torch.Tensor | None,
         num_sinks: int,
@@ -107,7 +112,7 @@ class Fp2DecodeWrite:
         args = (
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
             ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
-            ptr(k_levels), ptr(v_levels), ptr(fracs), opt(k_rows), opt(v_rows),
+            ptr(k_levels), ptr(v_levels), ptr(self.fracs), opt(k_rows), opt(v_rows),
             np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip
         if Bp:

@@ -205,7 +205,7 @@ class Fp2KVCache(KVCache):
     def _static_writer(self, want: bool | None):
         """The decode-write kernel for `write_decode_static` (None: its torch body). `want` None:
         the kernel where the device and the format allow it; True: the kernel or ConfigError."""
-        from zerodram.kernels.kv_write import NUM_CAND, DecodeWriteConfig, Fp2DecodeWrite, unsupported
+        from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite, unsupported
 
         sides = (self.spec.k, self.spec.v)
         why = None
@@ -226,13 +226,8 @@ class Fp2KVCache(KVCache):
             return None
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
-        if MSE_FRACTIONS.numel() != NUM_CAND:  # compiled into the kernel
-            raise ConfigError(
-                f"the decode-write kernel takes {NUM_CAND} MSE candidates, not {MSE_FRACTIONS.numel()}"
-            )
-        self._fracs = MSE_FRACTIONS.float().to(self.device)
         cfg = DecodeWriteConfig(self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype)
-        return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), self.device)
+        return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), MSE_FRACTIONS, self.device)
 
     # -- accounting --
     def _flushed(self, n: int) -> int:
@@ -332,10 +327,11 @@ class Fp2KVCache(KVCache):
 
     def mirror_decode_static(self, seq_ids: Sequence[int], lead: Fp2KVCache, lead_ids: Sequence[int]) -> None:
         """Host half of the decode append that `lead`, another layer of the same partition, has
-        just planned (`plan_decode_static`): the same pages and lengths here, checked in O(1) per
-        row, so that a step plans once and not once per layer (planning costs ~10 Python calls per
-        row; a step of 64 rows over 30 layers spent ~15 ms in it). Its plan holds for this layer
-        too: it names pages by id and rows by length, and both are checked equal.
+        just planned (`plan_decode_static`): the same pages and lengths here, so that a step plans
+        once and not once per layer (planning costs ~10 Python calls per row). Its plan holds for
+        this layer too: it names slots, pages by id and rows by length; per row the slot, the
+        length and the newest page are checked equal (pages change only by growth, and growth
+        hands out the newest).
 
         Raises:
             ZerodramError: this cache has parted from `lead` (another length or other pages).
@@ -411,7 +407,7 @@ class Fp2KVCache(KVCache):
             to_stored_space(v, vp).to(torch.bfloat16).contiguous(),
             packed,
             self.hp_k, self.hp_v, self.k.codes, self.v.codes, self.k.scales, self.v.scales, *self._levels,
-            self._fracs, *self._fb_rows, self.spec.num_sinks, self.rule.window,
+            *self._fb_rows, self.spec.num_sinks, self.rule.window,
         )  # fmt: skip
 
     def _kernel_index(self, seq_ids: list[int], pos0: list[int]) -> torch.Tensor:
