@@ -209,7 +209,9 @@ def _agree_to_a_near_tie(what: str, got: tuple, want: tuple, rtol: float) -> Non
     print(f"{what}: largest logit error {worst:.4f} of max |logit| (allowed {rtol})")
 
 
-def _rank_nvshmem_engine(ctx, model: str, prompts: list, max_tokens: int, kvs: tuple[str, ...]) -> dict:
+def _rank_nvshmem_engine(
+    ctx, model: str, prompts: list, max_tokens: int, kvs: tuple[str, ...], cuda_graphs: bool = False
+) -> dict:
     """One rank of the engine over NVSHMEM: ranks from `run_ranks` (gloo), all on cuda:0 (several
     PEs share the one GPU: correct, not fast), bf16 weights (NVSHMEM moves bf16 rows), the model's
     FFN sliced into one expert per rank. Each engine is closed (collective) before the next; the
@@ -223,14 +225,16 @@ def _rank_nvshmem_engine(ctx, model: str, prompts: list, max_tokens: int, kvs: t
     got = {}
     for kv in kvs:
         config = EngineConfig(
-            kv_format=kv, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4)
-        )
+            kv_format=kv, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4),
+            cuda_graphs=cuda_graphs,
+        )  # fmt: skip
         engine = build_engine(
             model, gctx, config, dtype="bf16", ep_backend="nvshmem", num_experts=ctx.world_size
         )
         with engine:
             world = engine.model._make_ep
             assert world.backend == "nvshmem" and world.session is not None
+            assert (engine.graphs is not None) == cuda_graphs
             moe = [layer for layer in engine.model.layers if layer.is_moe]
             assert moe and all(layer.ep.layer.comm.session is world.session for layer in moe)
             logits = _tap_logits(engine)
@@ -266,6 +270,27 @@ def test_gpu_engine_over_two_nvshmem_ranks_matches_one_rank() -> None:
         _agree_to_a_near_tie(
             f"2 NVSHMEM ranks vs one rank, {kv}", two_ranks, ([o.token_ids for o in outs], logits), rtol
         )
+
+
+@pytest.mark.slow
+def test_gpu_engine_over_two_nvshmem_ranks_replays_graphs() -> None:
+    """CUDA graphs across 2 NVSHMEM ranks: piecewise graphs captured on both ranks at construction
+    (the warm-ups run the exchange in step), replayed while the other rank replays or runs eager
+    (prefill, uneven batches: prompt 0 is long); the communicators' phases pinned. Against the same
+    2 ranks eager: the same values (graphs and eager run the same ops), to a near-tie."""
+    from multirank import run_ranks
+
+    model = "random:smollm2-135m"
+    prompts = [list(range(1, 41)), [9, 10], [11, 12, 13]]
+    for kv in ("bf16", FP2_SPEC):
+        runs = []
+        for graphs in (False, True):
+            args = (model, prompts, 8, (kv,), graphs)
+            runs.append(
+                run_ranks(_rank_nvshmem_engine, 2, args=args, timeout_s=600, rank_timeout_s=240, device="cpu")
+            )
+        eager, graphs = ((r[0][kv][0], {**r[0][kv][1], **r[1][kv][1]}) for r in runs)
+        _agree_to_a_near_tie(f"2 NVSHMEM ranks, graphs vs eager, {kv}", graphs, eager, 0.01)
 
 
 def test_gpu_engine_with_the_default_format_calibrates_and_serves() -> None:

@@ -91,6 +91,12 @@ class Communicator(ABC):
     layout: EpLayout
     router: RouterConfig | None
     expert_load: torch.Tensor
+    # Whether a CUDA graph may capture its calls (device-side only: no host sync, fixed shapes),
+    # once its owner has pinned it to one call per step (`pin_phase`).
+    capturable: bool = False
+
+    def pin_phase(self) -> None:  # noqa: B027 (a no-op unless the backend has phases)
+        """Promise one dispatch and its combine per step, in that order (see NvshmemComm)."""
 
     def dispatch(
         self,

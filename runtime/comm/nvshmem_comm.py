@@ -6,7 +6,8 @@ experts, Tm max tokens per rank, N = Elm * W * Tm packed-row capacity.
 Per call: dispatch = send (fused router, rows stored into owners' slabs through peer pointers,
 count flags) + wait (bounded) + pack; combine = send back + wait (bounded) + reduce. Six launches,
 no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of every buffer alternate
-between consecutive calls, so layer n+1 may dispatch while layer n's rows are still in use.
+between consecutive calls, so a caller may dispatch again before it has combined; an owner that
+makes one call per step pins one phase (`pin_phase`: what the engine does, for its graphs).
 
 Peers are reached by peer pointers (same GPU, NVLink domain). Peers on other nodes need the
 put-with-signal kernel (`kernels/cuda/dispatch_remote.cu`), which needs the NVSHMEM device library
@@ -75,6 +76,8 @@ class _Handle:
 
 class NvshmemComm(Communicator):
     """The device-initiated backend. Build with `NvshmemComm.create`; end with `close()`."""
+
+    capturable = True
 
     @classmethod
     def create(
@@ -172,7 +175,18 @@ class NvshmemComm(Communicator):
             for _ in range(2)
         ]
         self._phase = 0
+        self._pinned = False
         self.kernels = DispatchKernels()
+
+    def pin_phase(self) -> None:
+        """Use phase 0 for every call from now on, for an owner that makes one dispatch and its
+        combine per step, in that order (the engine: once per layer and step). One phase is then
+        enough: a rank's dispatch of step k + 1 starts after its combine of step k, which waited
+        for every peer's combine send of step k, which each peer issued after packing its step-k
+        rows; likewise a combine send of step k + 1 follows the dispatch wait of k + 1, which
+        follows every peer's combine reduce of step k. And a CUDA graph bakes the phase it was
+        captured with: pinned, replays and eager calls agree on every rank."""
+        self._phase, self._pinned = 0, True
 
     @property
     def timeout_ns(self) -> int:
@@ -182,7 +196,9 @@ class NvshmemComm(Communicator):
         lay, a = self.layout, self.args
         if x.dtype != torch.bfloat16 or not x.is_cuda:
             raise ConfigError(f"NVSHMEM dispatch takes bf16 CUDA rows, got {x.dtype} on {x.device}")
-        phase, self._phase = self._phase, self._phase ^ 1
+        phase = self._phase
+        if not self._pinned:
+            self._phase ^= 1
         T, K, dev = x.shape[0], lay.top_k, x.device
         x = x.contiguous()
         logits = gate = None

@@ -27,6 +27,7 @@ from zerodram.runtime.engine.sampler import make_generator, sample
 from zerodram.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.model.attention import KVProbe, PagedAttention
+from zerodram.runtime.model.ep import capturable_ep
 from zerodram.runtime.model.transformer import Transformer
 
 log = logging.getLogger("zerodram.engine")
@@ -161,9 +162,14 @@ class Engine:
         """The decode step's graphs; under "auto", None (eager decode, logged) where they would not
         serve or do not capture."""
         reason = None
-        if self.world_size > 1:
-            # every rank would have to capture (and warm up the EP collectives) in step
-            reason = f"cuda_graphs serve one rank for now, this job has {self.world_size}"
+        host_driven = [
+            layer.idx for layer in self.model.layers if layer.is_moe and capturable_ep(layer.ep) is None
+        ]
+        if self.world_size > 1 and host_driven:
+            reason = (
+                f"MoE layers {host_driven} exchange rows host-driven (torch backend); CUDA graphs across "
+                f"{self.world_size} ranks need the NVSHMEM backend"
+            )
         elif auto and (dense := DecodeGraphs.dense_moe_layers(self.model)):
             reason = (
                 f"MoE layers {dense} would run every expert on every row inside a graph (weights or "
@@ -175,11 +181,14 @@ class Engine:
             log.info("cuda_graphs auto: eager decode (%s)", reason)
             return None
         # The whole step in one graph where the KV writes and the attention have a fixed shape
-        # (FP2 through the fused kernels, flushing one token at a time), else piecewise.
+        # (FP2 through the fused kernels, flushing one token at a time), else piecewise. Across
+        # ranks, piecewise only: its graphs are captured here, every rank capturing the same buckets
+        # in the same order (the warm-ups run the EP exchange), whereas whole steps are captured
+        # at the first use of a (bucket, FP2 length), which differs per rank. Replays and eager
+        # steps then mix freely across ranks (the communicators' phases are pinned).
         fused = self.attn.decode if isinstance(self.attn.decode, Fp2FusedDecode) else None
-        static = (
-            (self.kv, fused) if fused is not None and getattr(self.kv, "static_decode_ok", False) else None
-        )
+        whole_ok = fused is not None and getattr(self.kv, "static_decode_ok", False) and self.world_size == 1
+        static = (self.kv, fused) if whole_ok else None
         try:
             return DecodeGraphs(
                 self.model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static

@@ -148,7 +148,9 @@ class StaticAttention:
         self.ix.fill(self._rows, slot, page)
         return self.fused.fill_static(self.meta, *self._lengths)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int) -> torch.Tensor:
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]."""
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
         return self.fused.static_call(layer_idx, q, self.meta, max_len)
@@ -303,7 +305,7 @@ class DecodeGraphs:
     """The decode step from static buffers, one `StaticDecodeStep` per bucket.
 
     Args:
-        model: the rank's transformer (all experts local: one rank).
+        model: the rank's transformer (all experts local, or exchanged over NVSHMEM).
         max_batch: the most decode rows of a step (the scheduler's max_num_seqs).
         capture: capture (GPU): every bucket's pieces now, or whole steps at their first use;
             False runs them eagerly (CPU tests).
@@ -311,10 +313,12 @@ class DecodeGraphs:
             None for the piecewise mode.
 
     Raises:
-        ConfigError: a layer's experts have no capturable form (expert parallelism across ranks).
+        ConfigError: a layer's experts have no capturable form (a host-driven exchange).
     """
 
-    def __init__(self, model: Transformer, *, max_batch: int, capture: bool, static: tuple | None = None) -> None:
+    def __init__(
+        self, model: Transformer, *, max_batch: int, capture: bool, static: tuple | None = None
+    ) -> None:
         eps = [capturable_ep(layer.ep) if layer.is_moe else None for layer in model.layers]
         missing = [
             layer.idx for layer, ep in zip(model.layers, eps, strict=True) if layer.is_moe and ep is None
@@ -322,7 +326,7 @@ class DecodeGraphs:
         if missing:
             raise ConfigError(
                 f"cuda_graphs: the experts of MoE layers {missing} ({type(model.layers[missing[0]].ep).__name__}) "
-                "cannot be captured; CUDA graphs serve one rank with all experts local for now"
+                "cannot be captured (a host-driven exchange: across ranks, graphs need the NVSHMEM backend)"
             )
         self.buckets = bucket_sizes(max_batch)
         Ly = len(model.layers)
@@ -336,7 +340,9 @@ class DecodeGraphs:
             pool = torch.cuda.graph_pool_handle()
             for step in self.steps.values():
                 step.capturing, step.pool = True, pool
-            log.info("decode steps will be captured whole, per batch bucket %s and FP2 length", list(self.buckets))
+            log.info(
+                "decode steps will be captured whole, per batch bucket %s and FP2 length", list(self.buckets)
+            )
         elif capture:
             t0 = time.perf_counter()
             with torch.inference_mode():  # as Engine.step runs

@@ -105,8 +105,12 @@ class RoutedLocalExperts:
         self.shard = ExpertShard(experts.expert_ids, experts.w_gate, experts.w_up, experts.w_down)
         dev, El = experts.w_gate.device, len(experts.expert_ids)
         # global expert id -> local index, El for "not on this rank" (made here: no copies in a capture)
-        self.local_of = torch.full((max(experts.expert_ids, default=0) + 2,), El, dtype=torch.int64, device=dev)
-        self.local_of[torch.tensor(experts.expert_ids, dtype=torch.int64, device=dev)] = torch.arange(El, device=dev)
+        self.local_of = torch.full(
+            (max(experts.expert_ids, default=0) + 2,), El, dtype=torch.int64, device=dev
+        )
+        self.local_of[torch.tensor(experts.expert_ids, dtype=torch.int64, device=dev)] = torch.arange(
+            El, device=dev
+        )
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x [T, D], topk_idx [T, K] global expert ids (-1: none), topk_weight [T, K] -> [T, D]."""
@@ -117,7 +121,9 @@ class RoutedLocalExperts:
         ids = topk_idx.flatten()  # [T * K]
         local = torch.where(ids >= 0, self.local_of[ids.clamp(0, self.local_of.shape[0] - 1)], El)
         order = torch.argsort(local, stable=True)  # packed row -> choice (expert-major)
-        counts = torch.zeros(El + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
+        counts = torch.zeros(El + 1, dtype=torch.int64, device=x.device).scatter_add_(
+            0, local, torch.ones_like(local)
+        )
         ends = counts[:El].cumsum(0).to(torch.int32)  # [El]
         ys = grouped_swiglu(x[order // K], ends, self.shard, self.path, sent_rows=T * K)  # [T * K, D] packed
         y = torch.empty_like(ys).index_copy_(0, order, ys)  # [T * K, D] per choice
@@ -129,10 +135,13 @@ class RoutedLocalExperts:
 
 def capturable_ep(ep: ExpertParallel) -> ExpertParallel | None:
     """A twin of `ep` that a CUDA graph can capture (static shapes, no host sync, no timers), or
-    None. Only `LocalExperts` (one rank) has one today: its `RoutedLocalExperts` where it has one
-    and torch has `_grouped_mm` for the bulk buckets (CUDA, bf16 weights the expert kernel takes),
-    else `DenseLocalExperts`. runtime/moe's NVSHMEM layer replays from a graph too, but capturing
-    it needs every rank to capture in step (see docs/engine.md)."""
+    None. `LocalExperts` (one rank): its `RoutedLocalExperts` where it has one and torch has
+    `_grouped_mm` for the bulk buckets (CUDA, bf16 weights the expert kernel takes), else
+    `DenseLocalExperts`. Across ranks: runtime/moe's layer over a capturable communicator (NVSHMEM,
+    its phase pinned by `ExpertParallelWorld`), untimed; every rank must then capture in step
+    (docs/engine.md). The torch backend's host-driven exchange has none."""
+    if isinstance(ep, _TimedEP):
+        return _UntimedEP(ep.layer) if ep.layer.comm.capturable else None
     if not isinstance(ep, LocalExperts):
         return None
     from zerodram.runtime.moe.experts import has_grouped_mm
@@ -330,6 +339,8 @@ class ExpertParallelWorld:
             backend=self.backend,
             session=self.session,
         )
+        if isinstance(ep, _TimedEP):  # the engine calls each layer once per step: one phase serves
+            ep.layer.comm.pin_phase()
         self.built.append(ep)
         return ep
 
@@ -344,6 +355,16 @@ class ExpertParallelWorld:
         if self.session is not None:
             self.session.close()
             self.session = None
+
+
+class _UntimedEP:
+    """runtime/moe's EP layer as a CUDA graph captures it: the same three stages, no timers."""
+
+    def __init__(self, layer: EpMoELayer) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, topk_idx, topk_weight)
 
 
 class _TimedEP:
@@ -368,7 +389,11 @@ class _TimedEP:
             out = layer.comm.dispatch(x, topk_idx=topk_idx, topk_weight=topk_weight)
         with self.timer.phase("experts"):
             y = grouped_swiglu(
-                out.recv_x, out.recv_expert_offsets, layer.experts, layer.experts_path, sent_rows=out.topk_idx.numel()
+                out.recv_x,
+                out.recv_expert_offsets,
+                layer.experts,
+                layer.experts_path,
+                sent_rows=out.topk_idx.numel(),
             )  # [N, D]
         with self.timer.phase("combine"):
             return layer.comm.combine(y, out)
