@@ -382,7 +382,7 @@ class LayerBench:
         v = F.linear(h, w["v"], w.get("v_bias")).view(B, Hkv, Dh)
         if "q_norm" in w:
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q, k = self.rope.apply(q, k, positions)
+        q, k = self.rope.apply(q, k, self.rope.cos_sin(positions, q.dtype))
         self._write(path, kv, k, v)
         if path == "fp2-fused":
             attn, layer, batch, rot, anchor, n_fp2, _ = kv

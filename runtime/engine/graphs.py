@@ -200,7 +200,7 @@ class StaticDecodeStep:
         if i == len(m.layers):
             b.logits.copy_(m.head(x))
             return
-        q, k, v = m.layers[i].pre_attention(x, b.positions, m.rope)
+        q, k, v = m.layers[i].pre_attention(x, m.rope.cos_sin(b.positions, x.dtype))
         b.x.copy_(x)
         b.q.copy_(q)
         b.k.copy_(k)
@@ -233,12 +233,17 @@ class StaticDecodeStep:
             self.graphs[i].replay()
 
     def _whole_step(self, max_len: int) -> None:
-        """Every piece and every layer's static attention, in order (captured whole, or eager)."""
-        b = self.bufs
-        for i in range(len(self.model.layers)):
-            self._piece(i)
-            b.o.copy_(self.static_attn(i, b.q, b.k, b.v, max_len))
-        self._piece(len(self.model.layers))
+        """Every layer with its static attention, in order (captured whole, or eager). Unlike the
+        pieces, nothing between layers goes through the static buffers: inside one graph a copy
+        is only one more node to launch (in and out: token ids, positions, logits)."""
+        m, b = self.model, self.bufs
+        x = F.embedding(b.token_ids, m.embed)  # [Bp, D]
+        cos_sin = m.rope.cos_sin(b.positions, x.dtype)  # once for every layer
+        for i, layer in enumerate(m.layers):
+            q, k, v = layer.pre_attention(x, cos_sin)
+            o = self.static_attn(i, q, k, v, max_len)  # [Bp, Hq, Dh]
+            x = layer.feed_forward(x + layer.attn_output(o), self._timer, self.eps[i])
+        b.logits.copy_(m.head(x))
 
     def _capture_whole(self, max_len: int) -> None:
         """Warm up and capture the whole step for `max_len`, the static buffers pointing at

@@ -36,11 +36,10 @@ EPFactory = Callable[[int, ExpertWeights], ExpertParallel]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back, as Llama/Mixtral/Qwen do."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """RMSNorm computed in fp32 and cast back, then the weight in x's dtype, as Llama/Mixtral/Qwen
+    do (torch's `rms_norm` without a weight is the fp32 part: one kernel on a GPU where torch has
+    the fused one, instead of five)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class DecoderLayer:
@@ -75,19 +74,25 @@ class DecoderLayer:
             self.ffn = (w[p + "ffn.gate"], w[p + "ffn.up"], w[p + "ffn.down"])
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: Rope, attn: PagedAttention, timer: PhaseTimer
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: PagedAttention,
+        timer: PhaseTimer,
     ) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+        """x [T, D] -> [T, D]; cos_sin: the batch's RoPE angles (`Rope.cos_sin`)."""
         with timer.phase("attention"):
-            q, k, v = self.pre_attention(x, batch.positions, rope)
+            q, k, v = self.pre_attention(x, cos_sin)
             o = attn(self.idx, q, k, v, batch)  # [T, Hq, Dh]
             x = x + self.attn_output(o)
         return self.feed_forward(x, timer)
 
     def pre_attention(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: Rope
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q [T, Hq, Dh], k / v [T, Hkv, Dh], RoPE applied (no KV access: capturable)."""
+        """x [T, D] -> q [T, Hq, Dh], k / v [T, Hkv, Dh], RoPE applied by the angles `cos_sin`
+        (`Rope.cos_sin` of the tokens' positions; no KV access: capturable)."""
         cfg, T = self.cfg, x.shape[0]
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
         q = F.linear(h, self.q, self.q_bias).view(T, cfg.num_heads, cfg.head_dim)  # [T, Hq, Dh]
@@ -96,7 +101,7 @@ class DecoderLayer:
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = rope.apply(q, k, positions)
+        q, k = Rope.apply(q, k, cos_sin)
         return q, k, v
 
     def attn_output(self, o: torch.Tensor) -> torch.Tensor:
@@ -178,8 +183,9 @@ class Transformer:
     def forward(self, batch: ForwardBatch, attn: PagedAttention) -> torch.Tensor:
         """Run every layer over the batch; returns fp32 logits [N, V] for `batch.logits_rows`."""
         x = F.embedding(batch.token_ids, self.embed)  # [T, D]
+        cos_sin = self.rope.cos_sin(batch.positions, x.dtype)  # once for every layer
         for layer in self.layers:
-            x = layer.forward(x, batch, self.rope, attn, self.timer)
+            x = layer.forward(x, batch, cos_sin, attn, self.timer)
         with self.timer.phase("lm_head"):
             return self.head(x[batch.logits_rows])
 
