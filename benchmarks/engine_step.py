@@ -30,7 +30,15 @@ from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
 from zerodram.runtime.kv.format import DEFAULT_FP2
 
 PROFILE_STEPS = 3
+STEP_TOKENS = 512  # the scheduler's token budget per step
 FP2 = "fp2"  # bare fp2: no calibration; flushes 32 tokens at a time, so its graphs are piecewise
+
+
+def _max_tokens(batch: int, context: int, warmup: int, steps: int) -> int:
+    """Each request's token budget, so that every measured step decodes all B sequences: prefill
+    is staggered (STEP_TOKENS a step, the first requests decoding meanwhile), then the warm-up,
+    timed and profiled steps, and one more."""
+    return math.ceil(batch * context / STEP_TOKENS) + warmup + steps + PROFILE_STEPS + 2
 
 
 def _time_steps(
@@ -43,9 +51,7 @@ def _time_steps(
     for _ in range(batch):
         rid = engine.new_request_id()
         prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
-        # prefill's token, the timed steps, the profiled ones, and one more: every measured step
-        # decodes all B sequences
-        params = SamplingParams(max_tokens=warmup + steps + 2 + PROFILE_STEPS * profile, ignore_eos=True)
+        params = SamplingParams(max_tokens=_max_tokens(batch, context, warmup, steps), ignore_eos=True)
         engine.add_request(engine.validate(rid, prompt, params))
     sched = engine.scheduler
     while sched.waiting or not all(r.prefill_done for r in sched.running):
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     cuda = ctx is not None
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     batches = [int(b) for b in args.batches.split(",")]
-    max_b, tokens = max(batches), args.context + args.warmup + args.steps + 2
+    max_b = max(batches)
+    tokens = args.context + _max_tokens(max_b, args.context, args.warmup, args.steps)  # per sequence, at most
     rows = []
     for kv in args.kv.split(";"):
         for graphs in (False, True):
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 kv_format=kv,
                 num_kv_pages=max_b * math.ceil(tokens / 32) + 8,
                 page_size=32,
-                scheduler=SchedulerConfig(max_b, max(max_b, 512), 512),
+                scheduler=SchedulerConfig(max_b, max(max_b, STEP_TOKENS), STEP_TOKENS),
                 cuda_graphs=graphs,
             )
             t0 = time.perf_counter()

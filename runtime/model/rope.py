@@ -1,7 +1,8 @@
 """Rotary position embeddings with the checkpoint's frequency scaling.
 
 Shape legend: T tokens, H heads, Dh head dim. The rotation follows the Hugging Face convention
-(`rotate_half`: the first and second halves of the head dim form the pairs), and cos/sin are
+(rotate_half: the first and second halves of the head dim form the pairs; here a roll by Dh/2
+against a sin whose first half is negated, bit-identical), and cos/sin are
 computed in fp32 from integer positions, as transformers does, so greedy outputs match it.
 """
 
@@ -67,29 +68,28 @@ def attention_factor(scaling: RopeScaling) -> float:
     return mscale()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rope:
-    """Applies RoPE to q and k at given positions. Holds only the [Dh/2] frequencies."""
+    """Applies RoPE to q and k by the angles of `cos_sin` (note its signed sin: it pairs with
+    `apply` only). Holds only the [Dh/2] frequencies."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, device: torch.device) -> None:
         self.inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)  # [Dh/2] fp32
         self.scale = attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, Dh] for integer `positions` [T] (times the attention factor, in fp32).
+        """The rotation angles for integer `positions` [T]: cos [T, 1, Dh], and sin [T, 1, Dh] with
+        its first half negated (times the attention factor, computed in fp32).
 
+        The sign makes the Hugging Face rotate_half a plain roll: cat(-x2, x1) * cat(s, s) equals
+        roll(x, Dh/2) * cat(-s, s) bit for bit (a negation is exact), one kernel instead of two.
         Every layer of a forward pass rotates by the same angles: the caller computes them once
         per pass and hands them to each layer's `apply` (on a GPU, ~8 small kernels per layer
         fewer)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, Dh]
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     @staticmethod
@@ -98,4 +98,5 @@ class Rope:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, Dh] and k [T, Hkv, Dh] by the angles `cos_sin` (from `cos_sin`)."""
         cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        half = q.shape[-1] // 2
+        return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
