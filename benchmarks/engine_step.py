@@ -16,9 +16,12 @@ CPU; median and p90 per case. A table, then one JSON line per case (`--json`).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -84,10 +87,6 @@ def _profile_steps(engine, n: int) -> None:
     copies and their summed time, then the busiest kernel names. (The trace, not `key_averages`:
     on a replayed graph of ~3,000 nodes the latter counted ~1,300 kernels and 2 ms of a 6 ms step
     on torch 2.11.)"""
-    import collections
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -59,6 +59,8 @@ class StaticBuffers:
     k, v: [Bp, Hkv, Dh]; o: [Bp, Hq, Dh] attention output; logits: [Bp, V] fp32;
     routed: per layer [Bp, K] int64 expert choices (MoE layers; None for dense ones).
     Rows >= B hold whatever an earlier step left: every op is row-wise, so they reach no real row.
+    The whole-step graph reads token_ids and positions and writes logits and routed only; x, q,
+    k, v and o carry values between the piecewise mode's graphs.
     """
 
     token_ids: torch.Tensor
