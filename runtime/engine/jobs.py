@@ -86,7 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
     )
 
 
-def engine_config(args: argparse.Namespace, world_size: int = 1) -> EngineConfig:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the shared options (the engine refuses graphs it cannot capture)."""
     graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
     return EngineConfig(
@@ -130,7 +130,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
         engine = build_engine(
             args.model,
             ctx,
-            engine_config(args, getattr(ctx, "world_size", 1)),
+            engine_config(args),
             dtype=args.dtype,
             num_experts=args.experts,
             ep_backend=args.ep_backend,
@@ -148,7 +148,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
         return build_engine(
             args.model,
             ctx,
-            engine_config(args, getattr(ctx, "world_size", 1)),
+            engine_config(args),
             dtype=args.dtype,
             num_experts=args.experts,
             ep_backend=args.ep_backend,
