@@ -1,10 +1,14 @@
-"""Launch wrapper of the decode-sized SwiGLU expert kernels (kernels/cuda/moe_experts.cu).
+"""Launch wrapper of the decode-sized SwiGLU expert kernels (kernels/cuda/moe_experts_bulk.cu and
+kernels/cuda/moe_experts.cu).
 
 Shape legend: N packed rows (expert-major), D hidden, F expert FFN dim, El local experts.
 
 `swiglu_experts_cuda(x, ends, w_gate, w_up, w_down)` computes, for every local expert e and its rows
-x[ends[e-1]:ends[e]], down(silu(gate(x)) * up(x)) in two launches (gate+up fused with the SwiGLU,
-then down) that read each active expert's weights once. It validates its inputs once, allocates the
+x[ends[e-1]:ends[e]], down(silu(gate(x)) * up(x)): gate+up fused with the SwiGLU, then down, each
+read once per active expert. Two kernel kinds split the experts by their row count on the device:
+the bulk kernels (weights staged by bulk copies, up to 16 rows, the decode case) and the register
+kernels (32 rows a pass, more rows); both kinds are launched and each skips the other's experts, so
+the split needs no host sync. It validates its inputs once, allocates the
 [N, F] intermediate and the [N, D] output, and launches on torch's current stream without a host
 sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
 """
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.module import launch, load_module, ptr
+from zerodram.kernels.module import allow_shared_memory, launch, load_module, ptr
 from zerodram.runtime.errors import ConfigError
 
 TOKENS_PER_PASS = 32  # 8 * NG: an expert with more rows re-reads its weights once per 32 rows
@@ -52,32 +56,98 @@ class KernelShape:
 
 
 @dataclass(frozen=True)
-class ExpertsConfig:
-    """The two kernels' shapes (from a sweep on the H200, docs/benchmarks.md "Experts")."""
+class BulkShape:
+    """Compile-time shape of one kernel of moe_experts_bulk.cu: 16-row tiles per matrix per CTA,
+    consumer warps (they split each chunk's K), reduction elements per stage, stages in flight, and
+    token rows per pass (an expert with more rows re-reads its weights once per pass)."""
 
-    gate_up: KernelShape = KernelShape(4, 1, 8)
-    down: KernelShape = KernelShape(4, 2, 8)
+    m_tiles: int
+    consumers: int
+    chunk: int
+    stages: int
+    tokens: int = TOKENS_PER_PASS
+
+    def __post_init__(self) -> None:
+        if min(self.m_tiles, self.consumers, self.stages) < 1 or self.consumers > 31:
+            raise ConfigError(f"bulk kernel shape {self}: need positive sizes and at most 31 consumer warps")
+        if self.chunk < 64 or self.chunk % 64 or self.tokens not in (8, 16, 24, 32):
+            raise ConfigError(f"bulk kernel shape {self}: need a chunk that is a multiple of 64, tokens 8..32 by 8")
+        if self.smem_bytes(2) > MAX_SHARED:
+            raise ConfigError(f"bulk kernel shape {self}: {self.smem_bytes(2)} bytes of shared memory > {MAX_SHARED}")
+
+    def smem_bytes(self, mats: int) -> int:
+        """Dynamic shared memory of the kernel with `mats` weight matrices (the layout in the .cu):
+        barriers, the ring of stages x (weight + token rows) x (2 chunk + 64 padding) bytes, the
+        partial sums of one consumer warp."""
+        rows = mats * self.m_tiles * 16 + self.tokens
+        partials = 32 * mats * self.m_tiles * (self.tokens // 8) * 4 * 4  # one warp's at a time
+        return 128 + self.stages * rows * (2 * self.chunk + 64) + partials
+
+    @staticmethod
+    def parse(text: str) -> BulkShape:
+        """'MTILESxCONSUMERSxCHUNKxSTAGES[xTOKENS]', e.g. '1x4x256x3x16'."""
+        return BulkShape(*(int(v) for v in text.split("x")))
+
+    def __str__(self) -> str:
+        return f"{self.m_tiles}x{self.consumers}x{self.chunk}x{self.stages}x{self.tokens}"
+
+
+MAX_SHARED = 227 * 1024  # sm_90's dynamic shared memory per block
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Which kernels run and their shapes (from sweeps on the H200, docs/benchmarks.md "Experts").
+    `bulk`: moe_experts_bulk.cu's (gate+up, down) shapes, for experts with up to `bulk[0].tokens`
+    rows; `regs`: moe_experts.cu's, for the other active experts. With one of them None the other
+    takes every active expert (in passes of its tokens)."""
+
+    bulk: tuple[BulkShape, BulkShape] | None = (BulkShape(1, 4, 512, 2, 16), BulkShape(1, 4, 512, 2, 16))
+    regs: tuple[KernelShape, KernelShape] | None = (KernelShape(4, 1, 8), KernelShape(4, 2, 8))
+
+    def __post_init__(self) -> None:
+        if self.bulk is None and self.regs is None:
+            raise ConfigError("experts config: needs the bulk kernels, the register kernels, or both")
+        if self.bulk is not None and self.bulk[0].tokens != self.bulk[1].tokens:
+            raise ConfigError(f"experts config {self}: the two bulk kernels must take the same tokens per pass")
+
+    @property
+    def bulk_rows(self) -> int:
+        """Experts with up to this many rows go to the bulk kernels, the rest to the register kernels."""
+        if self.bulk is None:
+            return 0
+        return self.bulk[0].tokens if self.regs is not None else 2**31 - 1
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
-        """'GATE_UP/DOWN', each 'ROW_TILESxKSPLITxUNROLL', e.g. '8x1x4/4x2x4'."""
-        gate_up, down = text.split("/")
-        return ExpertsConfig(KernelShape.parse(gate_up), KernelShape.parse(down))
+        """'GATE_UP/DOWN' register kernels only (each 'ROW_TILESxKSPLITxUNROLL', e.g. '4x1x8/4x2x8');
+        'bulk:GATE_UP/DOWN' bulk kernels only (each 'MTILESxCONSUMERSxCHUNKxSTAGESxTOKENS', e.g.
+        'bulk:1x4x512x2x16/1x4x512x2x16'); 'bulk:GATE_UP/DOWN+GATE_UP/DOWN' both."""
+        bulk = regs = None
+        if text.startswith("bulk:"):
+            text = text.removeprefix("bulk:")
+            bulk_text, _, text = text.partition("+")
+            bulk = tuple(BulkShape.parse(t) for t in bulk_text.split("/"))
+        if text:
+            regs = tuple(KernelShape.parse(t) for t in text.split("/"))
+        return ExpertsConfig(bulk, regs)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        return f"{self.gate_up}/{self.down}"
+        bulk = f"bulk:{self.bulk[0]}/{self.bulk[1]}" if self.bulk else ""
+        regs = f"{self.regs[0]}/{self.regs[1]}" if self.regs else ""
+        return "+".join(t for t in (bulk, regs) if t)
 
 
 DEFAULT_CONFIG = ExpertsConfig()
 
 
-def experts_build_options(shape: KernelShape = DEFAULT_CONFIG.gate_up) -> BuildOptions:
-    defines = {
-        "ROW_TILES": shape.row_tiles,
-        "KSPLIT": shape.ksplit,
-        "NG": TOKENS_PER_PASS // 8,
-        "UNROLL": shape.unroll,
-    }
+def experts_build_options(shape: KernelShape | BulkShape) -> BuildOptions:
+    if isinstance(shape, BulkShape):
+        defines = {"MT": shape.m_tiles, "CW": shape.consumers, "KC": shape.chunk, "STAGES": shape.stages}
+        defines["NG"] = shape.tokens // 8
+    else:
+        defines = {"ROW_TILES": shape.row_tiles, "KSPLIT": shape.ksplit, "UNROLL": shape.unroll}
+        defines["NG"] = TOKENS_PER_PASS // 8
     return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
 
@@ -87,9 +157,16 @@ def supports_shapes(hidden: int, ffn: int) -> bool:
 
 
 @cache
-def _kernels(device_index: int, config: ExpertsConfig):
-    gate_up = load_module("moe_experts", experts_build_options(config.gate_up)).kernel("experts_gate_up")
-    return gate_up, load_module("moe_experts", experts_build_options(config.down)).kernel("experts_down")
+def _kernels(device_index: int, config: ExpertsConfig) -> dict[str, object]:
+    out = {}
+    if config.regs is not None:
+        for name, shape in zip(("experts_gate_up", "experts_down"), config.regs, strict=True):
+            out[name] = load_module("moe_experts", experts_build_options(shape)).kernel(name)
+    if config.bulk is not None:
+        for mats, name, shape in zip((2, 1), ("experts_gate_up_bulk", "experts_down_bulk"), config.bulk, strict=True):
+            out[name] = load_module("moe_experts_bulk", experts_build_options(shape)).kernel(name)
+            allow_shared_memory(out[name], shape.smem_bytes(mats))
+    return out
 
 
 def load_experts_kernels(
@@ -141,11 +218,19 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    gu, dn = config.gate_up, config.down
+    split = np.int32(config.bulk_rows)  # bulk: experts with 1..split rows; registers: more than split
     with torch.cuda.device(x.device):
-        gate_up, down = _kernels(x.device.index, config)
-        launch(gate_up, grid=(-(-F_ // (16 * gu.row_tiles)), El), block=(2 * 32 * gu.row_tiles * gu.ksplit,),
-               args=(ptr(x), ptr(ends), ptr(w_gate), ptr(w_up), ptr(h), np.int32(F_), np.int32(D)))  # fmt: skip
-        launch(down, grid=(-(-D // (16 * dn.row_tiles)), El), block=(32 * dn.row_tiles * dn.ksplit,),
-               args=(ptr(h), ptr(ends), ptr(w_down), ptr(y), np.int32(D), np.int32(F_)))  # fmt: skip
+        k = _kernels(x.device.index, config)
+        for mats, (a, w0, w1, out, R, K) in ((2, (x, w_gate, w_up, h, F_, D)), (1, (h, w_down, w_down, y, D, F_))):
+            args = (ptr(a), ptr(ends), ptr(w0)) + ((ptr(w1),) if mats == 2 else ()) + (ptr(out), np.int32(R), np.int32(K))
+            if config.bulk is not None:
+                b = config.bulk[2 - mats]
+                launch(k["experts_gate_up_bulk" if mats == 2 else "experts_down_bulk"],
+                       grid=(-(-R // (16 * b.m_tiles)), El), block=(32 * (b.consumers + 1),), args=(*args, split),
+                       shared_mem=b.smem_bytes(mats))  # fmt: skip
+            if config.regs is not None:
+                r = config.regs[2 - mats]
+                launch(k["experts_gate_up" if mats == 2 else "experts_down"],
+                       grid=(-(-R // (16 * r.row_tiles)), El), block=(mats * 32 * r.row_tiles * r.ksplit,),
+                       args=(*args, split))  # fmt: skip
     return y

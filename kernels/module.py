@@ -85,6 +85,30 @@ def launch(
 
     stream = torch.cuda.current_stream()
     core_stream = _core_stream(stream.device.index, stream.cuda_stream)
-    if shared_mem > 48 * 1024:
-        kernel.attributes.max_dynamic_shared_memory_size  # noqa: B018 (touch: raises if unsupported)
+    if shared_mem > 48 * 1024 and shared_mem > _shared_limit.get((id(kernel), stream.device.index), 48 * 1024):
+        raise ValueError(
+            f"launch asks for {shared_mem} bytes of dynamic shared memory; call allow_shared_memory(kernel, ...) "
+            "first (outside any graph capture)"
+        )
     core_launch(core_stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_mem), kernel, *args)
+
+
+_shared_limit: dict[tuple[int, int], int] = {}  # (id(kernel), device) -> dynamic shared memory allowed
+
+
+def allow_shared_memory(kernel: Any, nbytes: int) -> None:
+    """Let `kernel` launch with up to `nbytes` of dynamic shared memory on the current device (the
+    default cap is 48 KB). Call it when loading the kernel, not inside a graph capture.
+
+    Raises:
+        RuntimeError: the driver refused (e.g. more than the device's per-block maximum).
+    """
+    from cuda.bindings import driver
+
+    dev = torch.cuda.current_device()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    # cuda.core loads through the library API: the handle is a CUkernel, set per device
+    (err,) = driver.cuKernelSetAttribute(attr, nbytes, kernel.handle, driver.CUdevice(dev))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelSetAttribute(max dynamic shared memory = {nbytes}) failed: {err}")
+    _shared_limit[(id(kernel), dev)] = nbytes

@@ -17,14 +17,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerodram.kernels.experts import experts_build_options
+from zerodram.kernels.experts import DEFAULT_CONFIG, ExpertsConfig, experts_build_options, swiglu_experts_cuda
 from zerodram.kernels.jit import compile_cubin
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.moe.experts import ExpertShard, choose_experts_path, grouped_swiglu
 
+# the default (bulk kernels for experts with up to 16 rows, register kernels for more) and each kind
+# alone, every one on every case below
+CONFIGS = [str(DEFAULT_CONFIG), "bulk:1x4x512x2x16/1x4x512x2x16", "4x1x8/4x2x8"]
+
 
 def test_experts_kernel_compiles_for_sm90() -> None:
-    assert compile_cubin("moe_experts", experts_build_options())[:4] == b"\x7fELF"
+    cfg = DEFAULT_CONFIG
+    assert cfg.bulk is not None and cfg.regs is not None
+    for shape in cfg.regs:
+        assert compile_cubin("moe_experts", experts_build_options(shape))[:4] == b"\x7fELF"
+    for shape in cfg.bulk:
+        assert compile_cubin("moe_experts_bulk", experts_build_options(shape))[:4] == b"\x7fELF"
 
 
 def _shard(El: int, D: int, F: int, seed: int, device: str = "cpu") -> ExpertShard:
@@ -39,9 +48,19 @@ def _shard(El: int, D: int, F: int, seed: int, device: str = "cpu") -> ExpertSha
 
 
 def test_kernel_shapes_are_checked() -> None:
-    from zerodram.kernels.experts import ExpertsConfig, KernelShape, supports_shapes
+    from zerodram.kernels.experts import BulkShape, KernelShape, supports_shapes
 
     assert str(ExpertsConfig.parse("8x1x4/4x2x4")) == "8x1x4/4x2x4"
+    for text in CONFIGS:
+        assert str(ExpertsConfig.parse(text)) == text
+    assert ExpertsConfig.parse(CONFIGS[1]).bulk_rows == 2**31 - 1 and ExpertsConfig.parse(CONFIGS[2]).bulk_rows == 0
+    assert DEFAULT_CONFIG.bulk_rows == 16
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        BulkShape(1, 4, 96, 4)
+    with pytest.raises(ConfigError, match="shared memory"):
+        BulkShape(2, 4, 512, 4)  # 4 stages x 96 rows x 1088 B
+    with pytest.raises(ConfigError, match="same tokens"):
+        ExpertsConfig((BulkShape(1, 4, 256, 4, 16), BulkShape(1, 4, 256, 4, 8)), None)
     with pytest.raises(ConfigError, match="1024"):
         KernelShape(16, 2, 4)  # 2 * 32 * 32 threads
     with pytest.raises(ConfigError, match="shared memory"):
@@ -96,10 +115,12 @@ def _check(y: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, shard: ExpertSh
         (576, 1536, [3, 0, 17]),  # SmolLM2's dims: K % 256 != 0 takes the remainder loop (unroll 8)
         (1024, 2048, [1]),
         (608, 544, [5, 0, 9]),  # R % (16 * row tiles) != 0 (spare row tiles), K / 32 odd (uneven K split)
+        (672, 800, [4, 11, 40, 16, 17]),  # bulk: partial last chunks (K % 512); 16 | 17 rows: the split
         (8192, 16384, [2, 5]),  # seed-700b's expert shape, 1.6 GB of weights
     ],
 )
-def test_gpu_experts_kernel_matches_loop(D: int, F: int, counts: list[int]) -> None:
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gpu_experts_kernel_matches_loop(D: int, F: int, counts: list[int], config: str) -> None:
     torch.manual_seed(sum(counts) + D)
     El = len(counts)
     shard = _shard(El, D, F, seed=D + El, device="cuda")
@@ -107,7 +128,8 @@ def test_gpu_experts_kernel_matches_loop(D: int, F: int, counts: list[int]) -> N
     x = torch.randn(N + 5, D, device="cuda").to(torch.bfloat16)  # [N + 5, D]: 5 rows past the end
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     torch.full((N + 5, max(D, F)), float("nan"), device="cuda")  # freed: the outputs likely reuse it
-    _check(grouped_swiglu(x, ends, shard, "kernel"), x, ends, shard)
+    y = swiglu_experts_cuda(x, ends, shard.w_gate, shard.w_up, shard.w_down, ExpertsConfig.parse(config))
+    _check(y, x, ends, shard)
 
 
 @pytest.mark.gpu

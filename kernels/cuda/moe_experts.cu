@@ -21,7 +21,8 @@
 // (mat, ks, rt) of CTA (bx, e) owns rows [16 (bx ROW_TILES + rt), +16) of expert e's matrix `mat`
 // (gate or up; down has one), the ks-th of KSPLIT shares of K, and all of the expert's n rows, TOK
 // at a time (n > TOK re-streams the weights once per pass: runtime/moe/experts.py sends steps that
-// are not decode-sized to a grouped GEMM instead). Splitting K multiplies the warps streaming at
+// are not decode-sized to a grouped GEMM instead). Experts with at most min_rows rows are left to
+// moe_experts_bulk.cu (faster where it fits: kernels/experts.py splits the experts between the two). Splitting K multiplies the warps streaming at
 // once, which a step touching few experts (batch 1: 2 of 32) needs to keep enough bytes in flight;
 // the shares are summed in a fixed order (deterministic). A CTA whose expert has no rows exits at
 // once, so only the active experts' weights are read and no host sync is needed (capturable in a
@@ -101,7 +102,7 @@ __device__ __forceinline__ void step(float (&acc)[NG][4], const uint4& lo, const
 template <int kMats>
 __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
                                        const __nv_bfloat16* __restrict__ w0, const __nv_bfloat16* __restrict__ w1,
-                                       __nv_bfloat16* __restrict__ out, int R, int K) {
+                                       __nv_bfloat16* __restrict__ out, int R, int K, int min_rows) {
   constexpr int kParts = kMats * KSPLIT;  // partial sums per output tile
   // partial sums of every warp but (mat 0, ks 0), per (part - 1, row tile, lane)
   __shared__ float red[kParts > 1 ? kParts - 1 : 1][ROW_TILES][32][NG * 4];
@@ -109,7 +110,7 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
   const int e = blockIdx.y;
   const int start = e ? ends[e - 1] : 0;
   const int n = ends[e] - start;
-  if (n <= 0) return;  // idle expert (CTA-uniform): read nothing
+  if (n <= min_rows) return;  // idle (min_rows >= 0), or left to moe_experts_bulk.cu (CTA-uniform)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rt = warp % ROW_TILES, part = warp / ROW_TILES;  // part = mat * KSPLIT + ks
   const int mat = part / KSPLIT, ks = part % KSPLIT;
@@ -197,13 +198,14 @@ __device__ __forceinline__ void skinny(const __nv_bfloat16* __restrict__ x, cons
 extern "C" __global__ void __launch_bounds__(32 * WARPS_GATE_UP)
     experts_gate_up(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ ends,
                     const __nv_bfloat16* __restrict__ w_gate, const __nv_bfloat16* __restrict__ w_up,
-                    __nv_bfloat16* __restrict__ h, int R, int K) {
-  skinny<2>(x, ends, w_gate, w_up, h, R, K);
+                    __nv_bfloat16* __restrict__ h, int R, int K, int min_rows) {
+  skinny<2>(x, ends, w_gate, w_up, h, R, K, min_rows);
 }
 
 // h [N, K] bf16; ends [El] int32; w_down [El, R, K] bf16; y [N, R] bf16
 extern "C" __global__ void __launch_bounds__(32 * WARPS_DOWN)
     experts_down(const __nv_bfloat16* __restrict__ h, const int32_t* __restrict__ ends,
-                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* __restrict__ y, int R, int K) {
-  skinny<1>(h, ends, w_down, w_down, y, R, K);
+                 const __nv_bfloat16* __restrict__ w_down, __nv_bfloat16* __restrict__ y, int R, int K,
+                 int min_rows) {
+  skinny<1>(h, ends, w_down, w_down, y, R, K, min_rows);
 }
