@@ -215,3 +215,50 @@ def test_auto_graphs_skip_models_whose_experts_a_graph_would_run_dense() -> None
     assert DecodeGraphs.dense_moe_layers(model) == [i for i in range(moe.num_layers) if moe.is_moe_layer(i)]
     sliced = NAMED_CONFIGS["tiny-dense"].as_dense_moe(2)
     assert DecodeGraphs.dense_moe_layers(Transformer(sliced, random_weights(sliced, None, 0, seed=1))) == []
+
+
+def test_only_a_pinned_communicator_is_captured() -> None:
+    """A graph bakes the communicator's phase: an unpinned one (alternating phases) is refused."""
+    from types import SimpleNamespace
+
+    from zerodram.runtime.model.ep import _TimedEP, _UntimedEP
+    from zerodram.runtime.model.timing import NULL_TIMER
+
+    def timed(pinned: bool) -> _TimedEP:
+        comm = SimpleNamespace(capturable=True, phase_pinned=pinned)
+        return _TimedEP(SimpleNamespace(comm=comm), NULL_TIMER)  # type: ignore[arg-type]
+
+    assert capturable_ep(timed(False)) is None
+    assert isinstance(capturable_ep(timed(True)), _UntimedEP)
+
+
+def test_failed_auto_capture_falls_back_on_one_rank_and_raises_across_ranks(monkeypatch) -> None:
+    """Under `cuda_graphs="auto"` a capture that fails leaves one rank eager; across ranks it raises,
+    since peers capturing in step would wait for the rank that went eager alone."""
+    from types import SimpleNamespace
+
+    from zerodram.runtime.engine import engine as engine_mod
+
+    class BrokenGraphs:
+        dense_moe_layers = staticmethod(lambda model: [])
+
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("capture broke")
+
+    monkeypatch.setattr(engine_mod, "DecodeGraphs", BrokenGraphs)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def fake(world_size: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            model=SimpleNamespace(layers=[]),
+            world_size=world_size,
+            attn=SimpleNamespace(decode=None),
+            kv=None,
+            config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4)),
+        )
+
+    assert Engine._capture(fake(1), auto=True) is None  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="capture broke"):
+        Engine._capture(fake(2), auto=True)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="capture broke"):
+        Engine._capture(fake(1), auto=False)  # type: ignore[arg-type]

@@ -98,6 +98,11 @@ class Communicator(ABC):
     def pin_phase(self) -> None:  # noqa: B027 (a no-op unless the backend has phases)
         """Promise one dispatch and its combine per step, in that order (see NvshmemComm)."""
 
+    @property
+    def phase_pinned(self) -> bool:
+        """Whether calls use one fixed phase (always, for a backend without phases)."""
+        return True
+
     def dispatch(
         self,
         x: torch.Tensor,

@@ -189,6 +189,10 @@ class NvshmemComm(Communicator):
         self._phase, self._pinned = 0, True
 
     @property
+    def phase_pinned(self) -> bool:
+        return self._pinned
+
+    @property
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 

@@ -37,8 +37,9 @@ log = logging.getLogger("zerodram.engine")
 class EngineConfig:
     """kv_format: "fp2[:options]", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens
     per rank. cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md):
-    True captures or raises; "auto" captures where graphs serve (one rank, no MoE layer whose
-    experts a graph would run dense) and otherwise, or if a capture fails, decodes eagerly.
+    True captures or raises; "auto" captures where graphs serve (no MoE layer whose experts a
+    graph would run dense; across ranks, NVSHMEM expert parallelism) and otherwise decodes eagerly;
+    a failed capture falls back to eager on one rank and raises across ranks (capture is collective).
     fused_decode: FP2 decode rows run the fused decode attention when the kernels read the format
     (False: read the pages back and run SDPA, the reference path).
     kv_calibration: "auto" (compute the FP2 constants at construction when the format needs them),
@@ -194,7 +195,9 @@ class Engine:
                 self.model, max_batch=self.config.scheduler.max_num_seqs, capture=True, static=static
             )
         except Exception as err:
-            if not auto:
+            if not auto or self.world_size > 1:
+                # across ranks a capture is collective (its warm-ups run the EP exchange in step):
+                # a rank that fell back alone would leave its peers' exchanges waiting for it
                 raise
             torch.cuda.synchronize()
             log.warning(

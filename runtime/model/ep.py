@@ -141,7 +141,10 @@ def capturable_ep(ep: ExpertParallel) -> ExpertParallel | None:
     its phase pinned by `ExpertParallelWorld`), untimed; every rank must then capture in step
     (docs/engine.md). The torch backend's host-driven exchange has none."""
     if isinstance(ep, _TimedEP):
-        return _UntimedEP(ep.layer) if ep.layer.comm.capturable else None
+        # a graph bakes the phase it was captured with: unpinned, replays would reuse a buffer
+        # that peers' alternate-phase calls expect free
+        comm = ep.layer.comm
+        return _UntimedEP(ep.layer) if comm.capturable and comm.phase_pinned else None
     if not isinstance(ep, LocalExperts):
         return None
     from zerodram.runtime.moe.experts import has_grouped_mm
