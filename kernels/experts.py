@@ -99,11 +99,13 @@ MAX_SHARED = 227 * 1024  # sm_90's dynamic shared memory per block
 class ExpertsConfig:
     """Which kernels run and their shapes (from sweeps on the H200, docs/benchmarks.md "Experts").
     `bulk`: moe_experts_bulk.cu's (gate+up, down) shapes, for experts with up to `bulk[0].tokens`
-    rows; `regs`: moe_experts.cu's, for the other active experts. With one of them None the other
-    takes every active expert (in passes of its tokens)."""
+    rows, in a kernel whose reduction dim is at least `bulk_min_k` (a short K leaves a bulk CTA
+    mostly filling and draining its ring); `regs`: moe_experts.cu's, for the rest. With one of them
+    None the other takes every active expert (in passes of its tokens)."""
 
     bulk: tuple[BulkShape, BulkShape] | None = (BulkShape(1, 4, 512, 2, 16), BulkShape(1, 4, 512, 2, 16))
     regs: tuple[KernelShape, KernelShape] | None = (KernelShape(4, 1, 8), KernelShape(4, 2, 8))
+    bulk_min_k: int = 4096
 
     def __post_init__(self) -> None:
         if self.bulk is None and self.regs is None:
@@ -111,31 +113,35 @@ class ExpertsConfig:
         if self.bulk is not None and self.bulk[0].tokens != self.bulk[1].tokens:
             raise ConfigError(f"experts config {self}: the two bulk kernels must take the same tokens per pass")
 
-    @property
-    def bulk_rows(self) -> int:
-        """Experts with up to this many rows go to the bulk kernels, the rest to the register kernels."""
-        if self.bulk is None:
-            return 0
-        return self.bulk[0].tokens if self.regs is not None else 2**31 - 1
+    def split(self, k_dim: int) -> tuple[int | None, int | None]:
+        """For a kernel of reduction dim k_dim: (the bulk kernel's largest expert, or None: not launched;
+        the register kernel's largest expert it leaves to the bulk one, or None: not launched)."""
+        if self.bulk is None or (self.regs is not None and k_dim < self.bulk_min_k):
+            return None, 0
+        if self.regs is None:
+            return 2**31 - 1, None
+        return self.bulk[0].tokens, self.bulk[0].tokens
 
     @staticmethod
     def parse(text: str) -> ExpertsConfig:
         """'GATE_UP/DOWN' register kernels only (each 'ROW_TILESxKSPLITxUNROLL', e.g. '4x1x8/4x2x8');
         'bulk:GATE_UP/DOWN' bulk kernels only (each 'MTILESxCONSUMERSxCHUNKxSTAGESxTOKENS', e.g.
-        'bulk:1x4x512x2x16/1x4x512x2x16'); 'bulk:GATE_UP/DOWN+GATE_UP/DOWN' both."""
+        'bulk:1x4x512x2x16/1x4x512x2x16'); 'bulk:GATE_UP/DOWN+GATE_UP/DOWN@MIN_K' both."""
         bulk = regs = None
+        text, _, min_k = text.partition("@")
         if text.startswith("bulk:"):
             text = text.removeprefix("bulk:")
             bulk_text, _, text = text.partition("+")
             bulk = tuple(BulkShape.parse(t) for t in bulk_text.split("/"))
         if text:
             regs = tuple(KernelShape.parse(t) for t in text.split("/"))
-        return ExpertsConfig(bulk, regs)  # type: ignore[arg-type]
+        return ExpertsConfig(bulk, regs, int(min_k or ExpertsConfig.bulk_min_k))  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         bulk = f"bulk:{self.bulk[0]}/{self.bulk[1]}" if self.bulk else ""
         regs = f"{self.regs[0]}/{self.regs[1]}" if self.regs else ""
-        return "+".join(t for t in (bulk, regs) if t)
+        both = f"@{self.bulk_min_k}" if self.bulk and self.regs else ""
+        return "+".join(t for t in (bulk, regs) if t) + both
 
 
 DEFAULT_CONFIG = ExpertsConfig()
@@ -218,19 +224,19 @@ def swiglu_experts_cuda(
     y = torch.empty_like(x)  # [N, D]
     if N == 0 or El == 0:
         return y
-    split = np.int32(config.bulk_rows)  # bulk: experts with 1..split rows; registers: more than split
     with torch.cuda.device(x.device):
         k = _kernels(x.device.index, config)
         for mats, (a, w0, w1, out, R, K) in ((2, (x, w_gate, w_up, h, F_, D)), (1, (h, w_down, w_down, y, D, F_))):
             args = (ptr(a), ptr(ends), ptr(w0)) + ((ptr(w1),) if mats == 2 else ()) + (ptr(out), np.int32(R), np.int32(K))
-            if config.bulk is not None:
+            bulk_max, regs_skip = config.split(K)  # the experts split by row count on the device
+            if config.bulk is not None and bulk_max is not None:
                 b = config.bulk[2 - mats]
                 launch(k["experts_gate_up_bulk" if mats == 2 else "experts_down_bulk"],
-                       grid=(-(-R // (16 * b.m_tiles)), El), block=(32 * (b.consumers + 1),), args=(*args, split),
-                       shared_mem=b.smem_bytes(mats))  # fmt: skip
-            if config.regs is not None:
+                       grid=(-(-R // (16 * b.m_tiles)), El), block=(32 * (b.consumers + 1),),
+                       args=(*args, np.int32(bulk_max)), shared_mem=b.smem_bytes(mats))  # fmt: skip
+            if config.regs is not None and regs_skip is not None:
                 r = config.regs[2 - mats]
                 launch(k["experts_gate_up" if mats == 2 else "experts_down"],
                        grid=(-(-R // (16 * r.row_tiles)), El), block=(mats * 32 * r.row_tiles * r.ksplit,),
-                       args=(*args, split))  # fmt: skip
+                       args=(*args, np.int32(regs_skip)))  # fmt: skip
     return y

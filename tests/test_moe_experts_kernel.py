@@ -22,9 +22,13 @@ from zerodram.kernels.jit import compile_cubin
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.moe.experts import ExpertShard, choose_experts_path, grouped_swiglu
 
-# the default (bulk kernels for experts with up to 16 rows, register kernels for more) and each kind
-# alone, every one on every case below
-CONFIGS = [str(DEFAULT_CONFIG), "bulk:1x4x512x2x16/1x4x512x2x16", "4x1x8/4x2x8"]
+# the default kernels (bulk for experts with up to 16 rows, registers for more), splitting at the
+# small dims of these cases too, and each kind alone, every one on every case below
+CONFIGS = [
+    str(DEFAULT_CONFIG).replace("@4096", "@64"),  # the split at the test's small dims
+    "bulk:1x4x512x2x16/1x4x512x2x16",
+    "4x1x8/4x2x8",
+]
 
 
 def test_experts_kernel_compiles_for_sm90() -> None:
@@ -53,8 +57,10 @@ def test_kernel_shapes_are_checked() -> None:
     assert str(ExpertsConfig.parse("8x1x4/4x2x4")) == "8x1x4/4x2x4"
     for text in CONFIGS:
         assert str(ExpertsConfig.parse(text)) == text
-    assert ExpertsConfig.parse(CONFIGS[1]).bulk_rows == 2**31 - 1 and ExpertsConfig.parse(CONFIGS[2]).bulk_rows == 0
-    assert DEFAULT_CONFIG.bulk_rows == 16
+    assert ExpertsConfig.parse(CONFIGS[1]).split(64) == (2**31 - 1, None)
+    assert ExpertsConfig.parse(CONFIGS[2]).split(8192) == (None, 0)
+    assert DEFAULT_CONFIG.split(8192) == (16, 16) and DEFAULT_CONFIG.split(2048) == (None, 0)
+    assert ExpertsConfig.parse(str(DEFAULT_CONFIG).replace("@4096", "@64")).split(576) == (16, 16)
     with pytest.raises(ConfigError, match="multiple of 64"):
         BulkShape(1, 4, 96, 4)
     with pytest.raises(ConfigError, match="shared memory"):
