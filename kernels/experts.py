@@ -7,8 +7,9 @@ Shape legend: N packed rows (expert-major), D hidden, F expert FFN dim, El local
 x[ends[e-1]:ends[e]], down(silu(gate(x)) * up(x)): gate+up fused with the SwiGLU, then down, each
 read once per active expert. Two kernel kinds split the experts by their row count on the device:
 the bulk kernels (weights staged by bulk copies, up to 16 rows, the decode case) and the register
-kernels (32 rows a pass, more rows); both kinds are launched and each skips the other's experts, so
-the split needs no host sync. It validates its inputs once, allocates the
+kernels (32 rows a pass, more rows). Where a projection's reduction dim is at least
+`ExpertsConfig.bulk_min_k` both kinds are launched and each skips the other's experts, so the split
+needs no host sync; below it the register kernels take every expert. It validates its inputs once, allocates the
 [N, F] intermediate and the [N, D] output, and launches on torch's current stream without a host
 sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
 """
@@ -68,8 +69,11 @@ class BulkShape:
     tokens: int = TOKENS_PER_PASS
 
     def __post_init__(self) -> None:
-        if min(self.m_tiles, self.consumers, self.stages) < 1 or self.consumers > 31:
-            raise ConfigError(f"bulk kernel shape {self}: need positive sizes and at most 31 consumer warps")
+        if min(self.m_tiles, self.consumers, self.stages) < 1 or self.consumers > 31 or self.stages > 8:
+            # 8 stages: the full and empty barriers (16 bytes a stage) fill the ring's 128-byte header
+            raise ConfigError(
+                f"bulk kernel shape {self}: need positive sizes, at most 31 consumer warps and 8 stages"
+            )
         if self.chunk < 64 or self.chunk % 64 or self.tokens not in (8, 16, 24, 32):
             raise ConfigError(f"bulk kernel shape {self}: need a chunk that is a multiple of 64, tokens 8..32 by 8")
         if self.smem_bytes(2) > MAX_SHARED:
@@ -128,19 +132,20 @@ class ExpertsConfig:
         'bulk:GATE_UP/DOWN' bulk kernels only (each 'MTILESxCONSUMERSxCHUNKxSTAGESxTOKENS', e.g.
         'bulk:1x4x512x2x16/1x4x512x2x16'); 'bulk:GATE_UP/DOWN+GATE_UP/DOWN@MIN_K' both."""
         bulk = regs = None
-        text, _, min_k = text.partition("@")
-        if text.startswith("bulk:"):
-            text = text.removeprefix("bulk:")
-            bulk_text, _, text = text.partition("+")
+        body, _, min_k = text.partition("@")
+        if body.startswith("bulk:"):
+            bulk_text, _, body = body.removeprefix("bulk:").partition("+")
             bulk = tuple(BulkShape.parse(t) for t in bulk_text.split("/"))
-        if text:
-            regs = tuple(KernelShape.parse(t) for t in text.split("/"))
+        if body:
+            regs = tuple(KernelShape.parse(t) for t in body.split("/"))
+        if any(pair is not None and len(pair) != 2 for pair in (bulk, regs)):
+            raise ConfigError(f"experts config {text!r}: each kind takes two shapes, GATE_UP/DOWN")
         return ExpertsConfig(bulk, regs, int(min_k or ExpertsConfig.bulk_min_k))  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         bulk = f"bulk:{self.bulk[0]}/{self.bulk[1]}" if self.bulk else ""
         regs = f"{self.regs[0]}/{self.regs[1]}" if self.regs else ""
-        both = f"@{self.bulk_min_k}" if self.bulk and self.regs else ""
+        both = f"@{self.bulk_min_k}" if self.bulk and self.regs else ""  # the threshold splits only then
         return "+".join(t for t in (bulk, regs) if t) + both
 
 

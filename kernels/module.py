@@ -85,7 +85,7 @@ def launch(
 
     stream = torch.cuda.current_stream()
     core_stream = _core_stream(stream.device.index, stream.cuda_stream)
-    if shared_mem > 48 * 1024 and shared_mem > _shared_limit.get((id(kernel), stream.device.index), 48 * 1024):
+    if shared_mem > 48 * 1024 and shared_mem > _shared_limit.get((int(kernel.handle), stream.device.index), 48 * 1024):
         raise ValueError(
             f"launch asks for {shared_mem} bytes of dynamic shared memory; call allow_shared_memory(kernel, ...) "
             "first (outside any graph capture)"
@@ -93,7 +93,7 @@ def launch(
     core_launch(core_stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_mem), kernel, *args)
 
 
-_shared_limit: dict[tuple[int, int], int] = {}  # (id(kernel), device) -> dynamic shared memory allowed
+_shared_limit: dict[tuple[int, int], int] = {}  # (CUkernel handle, device) -> dynamic shared memory allowed
 
 
 def allow_shared_memory(kernel: Any, nbytes: int) -> None:
@@ -111,4 +111,4 @@ def allow_shared_memory(kernel: Any, nbytes: int) -> None:
     (err,) = driver.cuKernelSetAttribute(attr, nbytes, kernel.handle, driver.CUdevice(dev))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuKernelSetAttribute(max dynamic shared memory = {nbytes}) failed: {err}")
-    _shared_limit[(id(kernel), dev)] = nbytes
+    _shared_limit[(int(kernel.handle), dev)] = nbytes

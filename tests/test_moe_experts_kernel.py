@@ -65,6 +65,10 @@ def test_kernel_shapes_are_checked() -> None:
         BulkShape(1, 4, 96, 4)
     with pytest.raises(ConfigError, match="shared memory"):
         BulkShape(2, 4, 512, 4)  # 4 stages x 96 rows x 1088 B
+    with pytest.raises(ConfigError, match="8 stages"):
+        BulkShape(1, 4, 64, 9, 8)  # the barriers would overrun the ring's 128-byte header
+    with pytest.raises(ConfigError, match="two shapes"):
+        ExpertsConfig.parse("bulk:1x4x512x2x16")
     with pytest.raises(ConfigError, match="same tokens"):
         ExpertsConfig((BulkShape(1, 4, 256, 4, 16), BulkShape(1, 4, 256, 4, 8)), None)
     with pytest.raises(ConfigError, match="1024"):
@@ -139,10 +143,17 @@ def test_gpu_experts_kernel_matches_loop(D: int, F: int, counts: list[int], conf
 
 
 @pytest.mark.gpu
-def test_gpu_experts_kernel_chosen_for_decode_and_graph_safe() -> None:
+@pytest.mark.parametrize(
+    ("D", "F"),
+    [
+        (512, 1024),  # both projections on the register kernels (K < 4096)
+        (4096, 1024),  # gate+up split between the bulk and register kernels, down on the register ones
+    ],
+)
+def test_gpu_experts_kernel_chosen_for_decode_and_graph_safe(D: int, F: int) -> None:
     """The auto choice takes the kernel at decode size, and a captured graph replays it correctly
-    after the routing (the counts) changed on the device."""
-    D, F, El = 512, 1024, 8
+    after the routing (the counts, on both sides of the bulk kernels' 16 rows) changed on the device."""
+    El = 8
     shard = _shard(El, D, F, seed=7, device="cuda")
     x = torch.randn(64, D, device="cuda").to(torch.bfloat16)
     ends = torch.zeros(El, dtype=torch.int32, device="cuda")

@@ -65,6 +65,7 @@ using cuda::std::uint64_t;
 #define SPW ((KC / 32 + CW - 1) / CW)             // k32 steps per consumer warp per full chunk
 #define TOK (8 * NG)                              // token rows per pass (and per stage)
 static_assert(KC % 32 == 0, "KC must be a multiple of 32");
+static_assert(16 * STAGES <= 128, "the full and empty barriers must fit the 128-byte header");
 
 namespace {
 

@@ -161,15 +161,16 @@ class Engine:
 
     def _capture(self, auto: bool) -> DecodeGraphs | None:
         """The decode step's graphs; under "auto", None (eager decode, logged) where they would not
-        serve or do not capture."""
+        serve, or where the capture fails on one rank (across ranks a failed capture raises)."""
         reason = None
-        host_driven = [
+        uncapturable = [
             layer.idx for layer in self.model.layers if layer.is_moe and capturable_ep(layer.ep) is None
         ]
-        if self.world_size > 1 and host_driven:
+        if self.world_size > 1 and uncapturable:
             reason = (
-                f"MoE layers {host_driven} exchange rows host-driven (torch backend); CUDA graphs across "
-                f"{self.world_size} ranks need the NVSHMEM backend"
+                f"MoE layers {uncapturable} exchange rows in a way a graph cannot hold (the torch backend's "
+                f"host-driven exchange, or a communicator whose phase is not pinned); CUDA graphs across "
+                f"{self.world_size} ranks need the NVSHMEM backend as ExpertParallelWorld builds it"
             )
         elif auto and (dense := DecodeGraphs.dense_moe_layers(self.model)):
             reason = (
