@@ -145,6 +145,34 @@ def test_routed_local_experts_equal_the_per_expert_loop(T: int) -> None:
     assert isinstance(capturable_ep(layer.ep), DenseLocalExperts)  # CPU: the kernel does not apply
 
 
+@pytest.mark.parametrize("E", [1, 4])
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_every_token_routing_equals_the_general_path_on_dense_slices(E: int, T: int) -> None:
+    """A dense FFN cut into E slices on one rank (the router sends every token to every slice with
+    weight 1): the shortcut that skips the packing gives the general path's output, and the dense
+    FFN's; the model and the engine's EP world turn it on for `dense_slices` only."""
+    from zerodram.runtime.model.ep import ExpertParallelWorld
+    from zerodram.runtime.model.transformer import swiglu
+
+    cfg = NAMED_CONFIGS["tiny-dense"]
+    dense = Transformer(cfg, random_weights(cfg, None, 0, seed=4, dtype=torch.float32))
+    sliced_cfg = cfg.as_dense_moe(E)
+    model = Transformer(sliced_cfg, random_weights(sliced_cfg, None, 0, seed=4, dtype=torch.float32))
+    layer = model.layers[0]
+    x = torch.randn(T, cfg.hidden_size)
+    idx, w = layer.router(x)
+    experts = layer.ep.experts
+    shortcut = RoutedLocalExperts(experts, "loop", every_token=True)(x, idx, w)
+    torch.testing.assert_close(shortcut, RoutedLocalExperts(experts, "loop")(x, idx, w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(shortcut, swiglu(x, *dense.layers[0].ffn), rtol=1e-5, atol=1e-5)
+    assert isinstance(layer.ep, LocalExperts) and layer.ep.every_token
+    world = ExpertParallelWorld(None, expert_to_rank=None, top_k=E, hidden=cfg.hidden_size,
+                                max_tokens_per_rank=16, num_moe_layers=1, every_token=True)  # fmt: skip
+    assert world(0, experts).every_token
+    moe = NAMED_CONFIGS["tiny-moe"]
+    assert not Transformer(moe, random_weights(moe, None, 0, seed=1)).layers[0].ep.every_token
+
+
 @pytest.mark.gpu
 def test_gpu_routed_local_experts_capture_and_match() -> None:
     """On a GPU with bf16 weights the captured twin is the routed kernel path; replayed with new

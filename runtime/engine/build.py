@@ -47,6 +47,7 @@ def build_model(
         num_moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)),
         backend=ep_backend,
         dtype=rm.weights["embed"].dtype,
+        every_token=cfg.router_kind == "dense_slices",
     )
     # No close on an error here: closing is collective, and a rank that failed alone would pair
     # its close with the others' next layer; process exit tears NVSHMEM down (as Engine.__exit__).

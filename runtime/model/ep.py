@@ -47,12 +47,11 @@ class LocalExperts:
     decode expert kernel takes the weights (CUDA, bf16): the path a captured step runs too. The
     rest, and every call elsewhere, through `ExpertWeights.forward` (one matmul per expert)."""
 
-    def __init__(self, experts: ExpertWeights, timer: PhaseTimer = NULL_TIMER) -> None:
+    def __init__(self, experts: ExpertWeights, timer: PhaseTimer = NULL_TIMER, every_token: bool = False) -> None:
         from zerodram.runtime.moe.experts import kernel_applies
 
-        self.experts = experts
-        self.timer = timer
-        routed = RoutedLocalExperts(experts) if experts.expert_ids else None
+        self.experts, self.timer, self.every_token = experts, timer, every_token
+        routed = RoutedLocalExperts(experts, every_token=every_token) if experts.expert_ids else None
         self.routed = routed if routed is not None and kernel_applies(routed.shard) else None
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
@@ -96,12 +95,18 @@ class RoutedLocalExperts:
     static shapes and no host sync on a GPU, what a CUDA graph captures for a real MoE. `path`
     forces one (e.g. `loop` for CPU tests). Expert id -1 ("no expert") and other ranks' experts
     contribute nothing.
+
+    every_token: the router sends every token to every expert with weight 1 and all of them are
+    here (a dense FFN cut into slices, `dense_slices`, on one rank). The choices then carry nothing:
+    the rows go to the experts as they are, without the sort, count and scatter (about 20 small
+    kernels a layer at decode), and the experts' outputs are summed in expert order, as the general
+    path sums a token's K rows.
     """
 
-    def __init__(self, experts: ExpertWeights, path: ExpertsPath | None = None) -> None:
+    def __init__(self, experts: ExpertWeights, path: ExpertsPath | None = None, every_token: bool = False) -> None:
         from zerodram.runtime.moe.experts import ExpertShard
 
-        self.experts, self.path = experts, path
+        self.experts, self.path, self.every_token = experts, path, every_token
         self.shard = ExpertShard(experts.expert_ids, experts.w_gate, experts.w_up, experts.w_down)
         dev, El = experts.w_gate.device, len(experts.expert_ids)
         # global expert id -> local index, El for "not on this rank" (made here: no copies in a capture)
@@ -111,6 +116,7 @@ class RoutedLocalExperts:
         self.local_of[torch.tensor(experts.expert_ids, dtype=torch.int64, device=dev)] = torch.arange(
             El, device=dev
         )
+        self.unit_ends = torch.arange(1, El + 1, dtype=torch.int32, device=dev)  # [El]: T * this = ends
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x [T, D], topk_idx [T, K] global expert ids (-1: none), topk_weight [T, K] -> [T, D]."""
@@ -118,6 +124,10 @@ class RoutedLocalExperts:
 
         T, K = topk_idx.shape
         El = len(self.experts.expert_ids)
+        if self.every_token:  # expert e's rows are all T tokens, in order: [El * T, D] expert-major
+            rows = x if El == 1 else x.repeat(El, 1)
+            ys = grouped_swiglu(rows, self.unit_ends * T, self.shard, self.path, sent_rows=T * K)
+            return ys if El == 1 else ys.view(El, T, x.shape[1]).float().sum(0).to(x.dtype)
         ids = topk_idx.flatten()  # [T * K]
         local = torch.where(ids >= 0, self.local_of[ids.clamp(0, self.local_of.shape[0] - 1)], El)
         order = torch.argsort(local, stable=True)  # packed row -> choice (expert-major)
@@ -224,6 +234,7 @@ def make_expert_parallel(
     max_tokens_per_rank: int = 0,
     backend: str | None = None,
     session: object | None = None,
+    every_token: bool = False,
 ) -> ExpertParallel:
     """The expert-parallel layer for one MoE layer.
 
@@ -231,9 +242,10 @@ def make_expert_parallel(
     NVSHMEM backend, chosen once by its `create`; `session`: a shared NVSHMEM session) when a rank
     context is given, else the `AllGatherEP` stopgap. `backend="allgather"` forces the stopgap.
     A model's layers are built through `ExpertParallelWorld`, which shares what they can.
+    every_token: the router sends every token to every expert (see `RoutedLocalExperts`).
     """
     if world_size == 1:
-        return LocalExperts(experts, timer)
+        return LocalExperts(experts, timer, every_token=every_token)
     if ctx is None or backend == "allgather":
         return AllGatherEP(experts, world_size, rank, timer=timer)
     from zerodram.runtime.moe.layer import EpMoELayer
@@ -288,6 +300,7 @@ class ExpertParallelWorld:
         num_moe_layers: how many layers will be built (the shared heap's size).
         backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
         dtype: the model's compute dtype (NVSHMEM moves bf16 rows; see `resolve_backend`).
+        every_token: the router sends every token to every expert with weight 1 (`dense_slices`).
     """
 
     def __init__(
@@ -302,8 +315,9 @@ class ExpertParallelWorld:
         num_moe_layers: int,
         backend: str | None = None,
         dtype: torch.dtype | None = None,
+        every_token: bool = False,
     ) -> None:
-        self.ctx, self.timer = ctx, timer
+        self.ctx, self.timer, self.every_token = ctx, timer, every_token
         self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
         self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
         self.backend, self.session = backend, None
@@ -341,6 +355,7 @@ class ExpertParallelWorld:
             max_tokens_per_rank=self.max_tokens,
             backend=self.backend,
             session=self.session,
+            every_token=self.every_token,
         )
         if isinstance(ep, _TimedEP):  # the engine calls each layer once per step: one phase serves
             ep.layer.comm.pin_phase()

@@ -155,7 +155,8 @@ class Transformer:
     ) -> None:
         self.config = config
         self.timer = timer
-        make_ep = make_ep or (lambda _idx, experts: LocalExperts(experts, timer))
+        every_token = config.router_kind == "dense_slices"
+        make_ep = make_ep or (lambda _idx, experts: LocalExperts(experts, timer, every_token=every_token))
         self._make_ep = make_ep
         try:
             self.embed = weights["embed"]
