@@ -134,3 +134,15 @@ def test_from_topology_uses_only_the_documented_attributes() -> None:
     assert p.ring_peers == (1, 0)
     assert p.owners(0) == (0, 1)
     assert p.local_experts(1) == (0, 2, 3)
+
+
+def test_one_phase_heap_does_not_grow_with_the_layers() -> None:
+    """The engine's NVSHMEM session (one_phase) holds one phase for every layer's communicator;
+    unpinned communicators take two phases each."""
+    from zerodram.runtime.comm.nvshmem_comm import SymmetricLayout, heap_bytes
+
+    lay = EpLayout(ExpertPlacement.contiguous(0, 8, 256), 7168, 8, 128)
+    phase, slack = SymmetricLayout.of(lay).phase_bytes, 256 << 20
+    assert 400 << 20 < phase < 500 << 20  # DeepSeek-V3-like, EP 8, 128 tokens a rank: ~462 MiB
+    assert heap_bytes(lay, 58) == 58 * 2 * phase + slack
+    assert heap_bytes(lay, 58, one_phase=True) == heap_bytes(lay, 1, one_phase=True) == phase + slack

@@ -237,6 +237,8 @@ def _rank_nvshmem_engine(
             assert (engine.graphs is not None) == cuda_graphs
             moe = [layer for layer in engine.model.layers if layer.is_moe]
             assert moe and all(layer.ep.layer.comm.session is world.session for layer in moe)
+            # one phase of buffers, shared by every layer's communicator (NvshmemComm, one_phase)
+            assert world.session.one_phase and len({layer.ep.layer.comm.buffer.data_ptr() for layer in moe}) == 1
             logits = _tap_logits(engine)
             outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             got[kv] = ([o.token_ids for o in outs], logits)

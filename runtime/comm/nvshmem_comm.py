@@ -7,7 +7,11 @@ Per call: dispatch = send (fused router, rows stored into owners' slabs through 
 count flags) + wait (bounded) + pack; combine = send back + wait (bounded) + reduce. Six launches,
 no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of every buffer alternate
 between consecutive calls, so a caller may dispatch again before it has combined; an owner that
-makes one call per step pins one phase (`pin_phase`: what the engine does, for its graphs).
+makes one call per step pins one phase (`pin_phase`: what the engine does, for its graphs). On a
+session made with `one_phase` (the engine's), every communicator is pinned from the start and all
+of them share one phase of buffers: the argument of `pin_phase` holds across layers as across
+steps, and the symmetric heap no longer grows with the layer count (a DeepSeek-V3-like layer at
+EP 8 and 128 tokens per rank takes 462 MiB a phase).
 
 Peers are reached by peer pointers (same GPU, NVLink domain). Peers on other nodes need the
 put-with-signal kernel (`kernels/cuda/dispatch_remote.cu`), which needs the NVSHMEM device library
@@ -122,7 +126,33 @@ class NvshmemComm(Communicator):
         lay, dev = layout, session.device
         W, El, Elm = lay.world_size, lay.num_local_experts, lay.placement.max_local_experts
         self.sym = SymmetricLayout.of(lay)
-        self.buffer = session.alloc_bytes(2 * self.sym.phase_bytes)  # [2 phases]
+        phases = 1 if session.one_phase else 2
+        cap, D = lay.recv_capacity, lay.hidden
+        i32 = {"dtype": torch.int32, "device": dev}
+
+        def recv_buffers() -> dict[str, torch.Tensor]:  # what a dispatch returns views of
+            return {
+                "x": torch.empty(cap, D, dtype=torch.bfloat16, device=dev),
+                "src_rank": torch.empty(cap, **i32),
+                "src_idx": torch.empty(cap, **i32),
+                "counts": torch.zeros(El, W, **i32),
+                "pair_offsets": torch.zeros(El, W, **i32),
+                "expert_offsets": torch.zeros(El, **i32),
+                "num_per_expert": torch.zeros(El, **i32),
+                "num_rows": torch.zeros(1, **i32),
+                "topk_idx": torch.empty(lay.max_tokens_per_rank, lay.top_k, dtype=torch.int64, device=dev),
+                "topk_weight": torch.empty(lay.max_tokens_per_rank, lay.top_k, dtype=torch.float32, device=dev),
+            }
+
+        def buffers() -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+            return session.alloc_bytes(phases * self.sym.phase_bytes), [recv_buffers() for _ in range(phases)]
+
+        if session.one_phase:  # one set for every communicator of this shape (module docstring)
+            key = (self.sym, cap, D, El, W, lay.max_tokens_per_rank, lay.top_k)
+            self.buffer, self._recv = session.shared(key, buffers)
+        else:
+            self.buffer, self._recv = buffers()
+        self._shares_buffer = session.one_phase
         session.barrier()  # every PE's flags are zero before anyone may write them
         bases = [session.peer_address(self.buffer, r) for r in range(W)]
         unreachable = [r for r, b in enumerate(bases) if b is None]
@@ -135,15 +165,14 @@ class NvshmemComm(Communicator):
                 "torch backend across nodes"
             )
         self.peer_base = torch.tensor(
-            [[b + p * self.sym.phase_bytes for b in bases] for p in range(2)], dtype=torch.int64, device=dev
-        )  # [2, W]
-        self.my_base = [self.buffer.data_ptr() + p * self.sym.phase_bytes for p in range(2)]
+            [[b + p * self.sym.phase_bytes for b in bases] for p in range(phases)], dtype=torch.int64, device=dev
+        )  # [phases, W]
+        self.my_base = [self.buffer.data_ptr() + p * self.sym.phase_bytes for p in range(phases)]
         owner_rank, owner_local, num_owners = (t.to(dev) for t in lay.placement.owner_tables())
         ring = lay.placement.ring_peers
         ring_pos = [0] * W
         for s, r in enumerate(ring):
             ring_pos[r] = s
-        i32 = {"dtype": torch.int32, "device": dev}
         self.args = SendArgs(
             owner_rank, owner_local, num_owners,
             torch.tensor(ring_pos, **i32), torch.tensor(ring, **i32),
@@ -156,26 +185,8 @@ class NvshmemComm(Communicator):
         self.done_combine = torch.zeros(1, **i32)
         self.error = torch.zeros(4, dtype=torch.int64, device=dev)
         self.expert_load = torch.zeros(El, dtype=torch.int64, device=dev)
-        cap, D = lay.recv_capacity, lay.hidden
-        self._recv = [
-            {
-                "x": torch.empty(cap, D, dtype=torch.bfloat16, device=dev),
-                "src_rank": torch.empty(cap, **i32),
-                "src_idx": torch.empty(cap, **i32),
-                "counts": torch.zeros(El, W, **i32),
-                "pair_offsets": torch.zeros(El, W, **i32),
-                "expert_offsets": torch.zeros(El, **i32),
-                "num_per_expert": torch.zeros(El, **i32),
-                "num_rows": torch.zeros(1, **i32),
-                "topk_idx": torch.empty(lay.max_tokens_per_rank, lay.top_k, dtype=torch.int64, device=dev),
-                "topk_weight": torch.empty(
-                    lay.max_tokens_per_rank, lay.top_k, dtype=torch.float32, device=dev
-                ),
-            }
-            for _ in range(2)
-        ]
         self._phase = 0
-        self._pinned = False
+        self._pinned = session.one_phase
         self.kernels = DispatchKernels()
 
     def pin_phase(self) -> None:
@@ -277,12 +288,13 @@ class NvshmemComm(Communicator):
         self._closed = True
         torch.cuda.synchronize(self.session.device)
         self.session.barrier()
-        self.session.free(self.buffer)
+        if not self._shares_buffer:  # a shared one lives as long as the session
+            self.session.free(self.buffer)
         if self._owns_session:
             self.session.close()
 
 
-def heap_bytes(lay: EpLayout, num_comms: int = 1) -> int:
-    """Symmetric heap to ask for: both phases of `num_comms` communicators of this layout, plus
-    slack for NVSHMEM's own allocations."""
-    return num_comms * 2 * SymmetricLayout.of(lay).phase_bytes + (256 << 20)
+def heap_bytes(lay: EpLayout, num_comms: int = 1, one_phase: bool = False) -> int:
+    """Symmetric heap to ask for: both phases of `num_comms` communicators of this layout, or the
+    one phase they all share on a `one_phase` session, plus slack for NVSHMEM's own allocations."""
+    return (1 if one_phase else num_comms * 2) * SymmetricLayout.of(lay).phase_bytes + (256 << 20)

@@ -35,18 +35,24 @@ class _StreamRef:
 class NvshmemSession:
     """NVSHMEM initialised for this process. Build with `create`; end with `close()`."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device, one_phase: bool = False) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.one_phase = one_phase
         self._buffers: list[torch.Tensor] = []
+        self._shared: dict[Any, Any] = {}
         self._closed = False
 
     @classmethod
-    def create(cls, ctx: Any, heap_bytes: int | None = None) -> NvshmemSession:
+    def create(cls, ctx: Any, heap_bytes: int | None = None, one_phase: bool = False) -> NvshmemSession:
         """Initialise NVSHMEM on ctx.device (collective over ctx's process group).
 
         Args:
             ctx: rank, world_size, device (cuda) of this process.
             heap_bytes: symmetric heap per PE (NVSHMEM_SYMMETRIC_SIZE) unless already set.
+            one_phase: the owner's promise that its communicators are called in one fixed order,
+                each with one dispatch and then its combine, and never two at once (the engine:
+                layer by layer, step by step). They then share one phase of buffers
+                (`NvshmemComm`'s docstring says why that is safe).
 
         Raises:
             ConfigError: nvshmem4py missing, or the device is not a GPU.
@@ -76,7 +82,14 @@ class NvshmemSession:
         if ctx.rank != 0:
             raw[:] = payload.numpy()
         nvshmem.init(device=dev, uid=uid, rank=ctx.rank, nranks=ctx.world_size, initializer_method="uid")
-        return cls(ctx.rank, ctx.world_size, ctx.device)
+        return cls(ctx.rank, ctx.world_size, ctx.device, one_phase)
+
+    def shared(self, key: Any, make: Any) -> Any:
+        """The object made by `make()` the first time `key` is asked for, the same one after
+        (collective when `make` allocates: every rank asks for the same keys in the same order)."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def alloc_bytes(self, nbytes: int) -> torch.Tensor:
         """A zeroed symmetric uint8 tensor [nbytes] (collective: same size on every PE)."""
@@ -126,6 +139,7 @@ class NvshmemSession:
         import nvshmem.core as nvshmem
 
         torch.cuda.synchronize(self.device)
+        self._shared.clear()
         for t in self._buffers:
             nvshmem.free_tensor(t)
         self._buffers.clear()

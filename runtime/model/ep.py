@@ -334,7 +334,10 @@ class ExpertParallelWorld:
             placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
             layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
             self._rendezvous("NVSHMEM init")
-            self.session = NvshmemSession.create(ctx, heap_bytes=heap_bytes(layout, num_moe_layers))
+            # the engine calls each layer once per step, in layer order: one phase serves them all
+            self.session = NvshmemSession.create(
+                ctx, heap_bytes=heap_bytes(layout, num_moe_layers, one_phase=True), one_phase=True
+            )
 
     def _rendezvous(self, what: str) -> None:
         """The context's bounded barrier before an NVSHMEM collective (see the class hazard)."""
