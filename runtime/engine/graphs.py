@@ -56,11 +56,12 @@ class StaticBuffers:
     """One bucket's inputs, outputs and the residual stream between pieces.
 
     token_ids, positions: [Bp] int64; x: [Bp, D] residual (model dtype); q: [Bp, Hq, Dh];
-    k, v: [Bp, Hkv, Dh]; o: [Bp, Hq, Dh] attention output; logits: [Bp, V] fp32;
+    k, v: [Bp, Hkv, Dh]; o: [Bp, Hq, Dh] attention output; cos, sin: [Bp, 1, Dh] the step's RoPE
+    angles (`Rope.cos_sin`, made by piece 0 for the later pieces); logits: [Bp, V] fp32;
     routed: per layer [Bp, K] int64 expert choices (MoE layers; None for dense ones).
     Rows >= B hold whatever an earlier step left: every op is row-wise, so they reach no real row.
     The whole-step graph reads token_ids and positions and writes logits and routed only; x, q,
-    k, v and o carry values between the piecewise mode's graphs.
+    k, v, o, cos and sin carry values between the piecewise mode's graphs.
     """
 
     token_ids: torch.Tensor
@@ -70,6 +71,8 @@ class StaticBuffers:
     k: torch.Tensor
     v: torch.Tensor
     o: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
     logits: torch.Tensor
     routed: tuple[torch.Tensor | None, ...]
 
@@ -85,6 +88,8 @@ class StaticBuffers:
             k=torch.zeros(bucket, c.num_kv_heads, c.head_dim, dtype=dt, device=dev),
             v=torch.zeros(bucket, c.num_kv_heads, c.head_dim, dtype=dt, device=dev),
             o=torch.zeros(bucket, c.num_heads, c.head_dim, dtype=dt, device=dev),
+            cos=torch.zeros(bucket, 1, c.head_dim, dtype=dt, device=dev),
+            sin=torch.zeros(bucket, 1, c.head_dim, dtype=dt, device=dev),
             logits=torch.zeros(bucket, c.vocab_size, dtype=torch.float32, device=dev),
             routed=tuple(
                 torch.zeros(bucket, c.num_experts_per_tok, **i64) if layer.is_moe else None
@@ -196,13 +201,16 @@ class StaticDecodeStep:
         m, b = self.model, self.bufs
         if i == 0:
             x = F.embedding(b.token_ids, m.embed)  # [Bp, D]
+            cos, sin = m.rope.cos_sin(b.positions, x.dtype)  # once per step, for every piece
+            b.cos.copy_(cos)
+            b.sin.copy_(sin)
         else:
             prev = m.layers[i - 1]
             x = prev.feed_forward(b.x + prev.attn_output(b.o), self._timer, self.eps[i - 1])
         if i == len(m.layers):
             b.logits.copy_(m.head(x))
             return
-        q, k, v = m.layers[i].pre_attention(x, m.rope.cos_sin(b.positions, x.dtype))
+        q, k, v = m.layers[i].pre_attention(x, (b.cos, b.sin))
         b.x.copy_(x)
         b.q.copy_(q)
         b.k.copy_(k)
