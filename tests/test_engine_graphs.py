@@ -290,3 +290,31 @@ def test_failed_auto_capture_falls_back_on_one_rank_and_raises_across_ranks(monk
         Engine._capture(fake(2), auto=True)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="capture broke"):
         Engine._capture(fake(1), auto=False)  # type: ignore[arg-type]
+
+
+def test_ep_world_check_raises_a_device_wait_expiry_and_one_phase_needs_experts_everywhere() -> None:
+    """The engine's per-step check reads every NVSHMEM communicator's error word at once and raises
+    the expired one's `RankTimeoutError`; the one-phase session is refused where a rank hosts no
+    expert (its combine flags could overtake a peer's zeroing)."""
+    from types import SimpleNamespace
+
+    from zerodram.runtime.comm import ExpertPlacement
+    from zerodram.runtime.errors import RankTimeoutError
+    from zerodram.runtime.model.ep import ExpertParallelWorld, _TimedEP, every_rank_hosts_an_expert
+    from zerodram.runtime.model.timing import NULL_TIMER
+
+    def comm(expired: bool) -> SimpleNamespace:
+        def check() -> None:
+            if expired:
+                raise RankTimeoutError("rank 0/2 waited 1s on the device for combine rows from rank 1")
+
+        return SimpleNamespace(error=torch.tensor([int(expired), 2, 1, -1]), check=check)
+
+    world = ExpertParallelWorld(None, expert_to_rank=None, top_k=2, hidden=8, max_tokens_per_rank=4, num_moe_layers=2)
+    world.built += [_TimedEP(SimpleNamespace(comm=comm(False)), NULL_TIMER) for _ in range(2)]  # type: ignore[arg-type]
+    world.check()
+    world.built.append(_TimedEP(SimpleNamespace(comm=comm(True)), NULL_TIMER))  # type: ignore[arg-type]
+    with pytest.raises(RankTimeoutError, match="from rank 1"):
+        world.check()
+    assert every_rank_hosts_an_expert(ExpertPlacement.contiguous(0, 2, 4))
+    assert not every_rank_hosts_an_expert(ExpertPlacement(0, 2, (0, 0, 0, 0)))

@@ -2,7 +2,7 @@
 //
 // W world size, Tm max tokens per rank, Elm max local experts, K top-k, D hidden, B message bytes.
 //
-// One symmetric buffer per rank and phase (two phases: consecutive layers alternate), byte offsets
+// One symmetric buffer per rank and phase (two alternate per communicator; the engine's layers share one), byte offsets
 // passed by the host (runtime/comm/nvshmem_comm.py `SymmetricLayout`):
 //     off_msg        recv rows      [Elm][W][Tm] x B     row (le, src, slot)
 //     off_info       recv src_idx   [Elm][W][Tm] int32   t * K + k at the source

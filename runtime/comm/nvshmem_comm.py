@@ -11,7 +11,7 @@ makes one call per step pins one phase (`pin_phase`: what the engine does, for i
 session made with `one_phase` (the engine's), every communicator is pinned from the start and all
 of them share one phase of buffers: the argument of `pin_phase` holds across layers as across
 steps, and the symmetric heap no longer grows with the layer count (a DeepSeek-V3-like layer at
-EP 8 and 128 tokens per rank takes 462 MiB a phase).
+EP 8 and 128 tokens per rank takes 462 MiB a phase). Not where a rank hosts no expert (`pin_phase`).
 
 Peers are reached by peer pointers (same GPU, NVLink domain). Peers on other nodes need the
 put-with-signal kernel (`kernels/cuda/dispatch_remote.cu`), which needs the NVSHMEM device library
@@ -144,14 +144,15 @@ class NvshmemComm(Communicator):
                 "topk_weight": torch.empty(lay.max_tokens_per_rank, lay.top_k, dtype=torch.float32, device=dev),
             }
 
-        def buffers() -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-            return session.alloc_bytes(phases * self.sym.phase_bytes), [recv_buffers() for _ in range(phases)]
-
         if session.one_phase:  # one set for every communicator of this shape (module docstring)
-            key = (self.sym, cap, D, El, W, lay.max_tokens_per_rank, lay.top_k)
-            self.buffer, self._recv = session.shared(key, buffers)
+            # the symmetric buffer's key is global (the same on every rank: its allocation is
+            # collective); the receive tensors are this rank's own
+            self.buffer = session.shared(("symmetric", self.sym), lambda: session.alloc_bytes(self.sym.phase_bytes))
+            recv_key = ("receive", self.sym, cap, D, El, lay.max_tokens_per_rank, lay.top_k)
+            self._recv = session.shared(recv_key, lambda: [recv_buffers()])
         else:
-            self.buffer, self._recv = buffers()
+            self.buffer = session.alloc_bytes(2 * self.sym.phase_bytes)
+            self._recv = [recv_buffers() for _ in range(2)]
         self._shares_buffer = session.one_phase
         session.barrier()  # every PE's flags are zero before anyone may write them
         bases = [session.peer_address(self.buffer, r) for r in range(W)]
@@ -195,8 +196,12 @@ class NvshmemComm(Communicator):
         enough: a rank's dispatch of step k + 1 starts after its combine of step k, which waited
         for every peer's combine send of step k, which each peer issued after packing its step-k
         rows; likewise a combine send of step k + 1 follows the dispatch wait of k + 1, which
-        follows every peer's combine reduce of step k. And a CUDA graph bakes the phase it was
-        captured with: pinned, replays and eager calls agree on every rank."""
+        follows every peer's combine reduce of step k. (That second chain needs the sender to
+        have waited on dispatch flags, i.e. to host an expert: a rank without experts can set a
+        peer's combine flag of k + 1 before the peer zeroed that of k. With other layers' calls
+        between, as here, their waits close the gap; a one-phase session, where consecutive calls
+        are different layers', is made only where every rank hosts an expert.) And a CUDA graph
+        bakes the phase it was captured with: pinned, replays and eager calls agree on every rank."""
         self._phase, self._pinned = 0, True
 
     @property

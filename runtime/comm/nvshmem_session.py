@@ -85,8 +85,9 @@ class NvshmemSession:
         return cls(ctx.rank, ctx.world_size, ctx.device, one_phase)
 
     def shared(self, key: Any, make: Any) -> Any:
-        """The object made by `make()` the first time `key` is asked for, the same one after
-        (collective when `make` allocates: every rank asks for the same keys in the same order)."""
+        """The object made by `make()` the first time `key` is asked for, the same one after.
+        Where `make` allocates symmetric memory (collective), the key must be the same on every
+        rank, and every rank must ask in the same order."""
         if key not in self._shared:
             self._shared[key] = make()
         return self._shared[key]

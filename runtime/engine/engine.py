@@ -300,6 +300,7 @@ class Engine:
             logits = self.graphs.run(plan.batch, self.attn)  # [N, V], decode rows only
         else:
             logits = self.model.forward(plan.batch, self.attn)  # [N, V]
+        self.model.check_experts()  # a device wait that expired raises here, naming whom it waited for
         events, sampled = self._fail_nonfinite(), plan.sampled
         if events:  # their logits may be NaN: they take no token
             failed = {ev.request_id for ev in events}

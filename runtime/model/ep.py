@@ -263,6 +263,11 @@ def make_expert_parallel(
     return _TimedEP(layer, timer)
 
 
+def every_rank_hosts_an_expert(placement) -> bool:
+    """Whether one phase of NVSHMEM buffers may serve every MoE layer (`ExpertParallelWorld`)."""
+    return all(placement.local_experts(r) for r in range(placement.world_size))
+
+
 def _placement(ctx: object, rank: int, world_size: int, expert_to_rank: tuple[int, ...]):
     """The comm layer's placement: the experts' ranks, and the topology's ring order when the
     topology places this model's experts."""
@@ -282,10 +287,14 @@ class ExpertParallelWorld:
     owns what the layers share and how long it lives.
 
     The backend is resolved once. On GPUs with the NVSHMEM backend, one `NvshmemSession` serves
-    every layer's communicator, its symmetric heap sized for all of them: NVSHMEM is initialised
-    once per process, and a session per layer would initialise it once per layer. `close()` ends
-    the layers' communicators in layer order, then the session; it is collective (every rank
-    closes) and idempotent.
+    every layer's communicator: NVSHMEM is initialised once per process, and a session per layer
+    would initialise it once per layer. The session is one-phase (every layer shares one phase of
+    buffers, and the heap holds that one phase) where every rank hosts an expert; a rank without
+    experts waits on no dispatch flag, so its next layer's combine flag could overtake a peer's
+    zeroing of the last one, and then each layer keeps its own two phases. `check()` raises a
+    device wait's expiry (call it between steps: the engine does). `close()` ends the layers'
+    communicators in layer order, then the session; it is collective (every rank closes) and
+    idempotent.
 
     Hazard: NVSHMEM's init, symmetric allocation and barrier_all wait for every PE without a
     timeout. So each of those steps is preceded by the context's bounded host barrier, which
@@ -297,7 +306,7 @@ class ExpertParallelWorld:
         timer: the model's phase timer.
         expert_to_rank, top_k, hidden: the model's experts and shapes.
         max_tokens_per_rank: the most tokens one step sends through a MoE layer (buffer sizing).
-        num_moe_layers: how many layers will be built (the shared heap's size).
+        num_moe_layers: how many layers will be built (the heap's size where they cannot share).
         backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
         dtype: the model's compute dtype (NVSHMEM moves bf16 rows; see `resolve_backend`).
         every_token: the router sends every token to every expert with weight 1 (`dense_slices`).
@@ -333,11 +342,22 @@ class ExpertParallelWorld:
 
             placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
             layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
+            # the engine calls each layer once per step, in layer order: one phase serves them all,
+            # unless a rank hosts no expert (see the class docstring); the placement is global
+            one = every_rank_hosts_an_expert(placement)
             self._rendezvous("NVSHMEM init")
-            # the engine calls each layer once per step, in layer order: one phase serves them all
             self.session = NvshmemSession.create(
-                ctx, heap_bytes=heap_bytes(layout, num_moe_layers, one_phase=True), one_phase=True
+                ctx, heap_bytes=heap_bytes(layout, num_moe_layers, one_phase=one), one_phase=one
             )
+
+    def check(self) -> None:
+        """Raise `RankTimeoutError` naming the silent rank and expert if a device wait of this
+        rank's NVSHMEM communicators expired (one small device-to-host copy; between steps)."""
+        comms = [ep.layer.comm for ep in self.built if isinstance(ep, _TimedEP)]
+        errors = [c.error[0] for c in comms if hasattr(c, "error")]  # NVSHMEM's error words
+        if errors and any(torch.stack(errors).tolist()):
+            for c in comms:
+                c.check()
 
     def _rendezvous(self, what: str) -> None:
         """The context's bounded barrier before an NVSHMEM collective (see the class hazard)."""

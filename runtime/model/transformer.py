@@ -181,6 +181,13 @@ class Transformer:
         if close is not None:
             close()
 
+    def check_experts(self) -> None:
+        """Raise what a device-side wait of the expert exchange recorded (`RankTimeoutError` naming
+        the silent rank), if `make_ep` can tell (NVSHMEM). Between steps: it reads the device."""
+        check = getattr(self._make_ep, "check", None)
+        if check is not None:
+            check()
+
     def forward(self, batch: ForwardBatch, attn: PagedAttention) -> torch.Tensor:
         """Run every layer over the batch; returns fp32 logits [N, V] for `batch.logits_rows`."""
         x = F.embedding(batch.token_ids, self.embed)  # [T, D]
