@@ -36,6 +36,8 @@
 #include <cuda_bf16.h>
 #include <cuda/std/cstdint>
 
+#include "moe_mma.cuh"
+
 using cuda::std::int32_t;
 using cuda::std::uint32_t;
 
@@ -72,16 +74,6 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-}
-
-// c += A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulators
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One k32 step of one weight matrix against NG token groups: lo = row g, hi = row g + 8.
