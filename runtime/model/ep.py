@@ -331,6 +331,7 @@ class ExpertParallelWorld:
         self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
         self.backend, self.session = backend, None
         self.built: list[ExpertParallel] = []
+        self._checked: tuple[int, list, list[torch.Tensor]] | None = None  # check()'s communicators
         if self.world_size == 1 or ctx is None or backend == "allgather":
             return
         from zerodram.runtime.comm import EpLayout, resolve_backend
@@ -353,8 +354,10 @@ class ExpertParallelWorld:
     def check(self) -> None:
         """Raise `RankTimeoutError` naming the silent rank and expert if a device wait of this
         rank's NVSHMEM communicators expired (one small device-to-host copy; between steps)."""
-        comms = [ep.layer.comm for ep in self.built if isinstance(ep, _TimedEP)]
-        errors = [c.error[0] for c in comms if hasattr(c, "error")]  # NVSHMEM's error words
+        if self._checked is None or self._checked[0] != len(self.built):  # built by now: once
+            comms = [ep.layer.comm for ep in self.built if isinstance(ep, _TimedEP) and hasattr(ep.layer.comm, "error")]
+            self._checked = (len(self.built), comms, [c.error[0] for c in comms])  # NVSHMEM's error words
+        _, comms, errors = self._checked
         if errors and any(torch.stack(errors).tolist()):
             for c in comms:
                 c.check()
