@@ -196,12 +196,12 @@ class NvshmemComm(Communicator):
         enough: a rank's dispatch of step k + 1 starts after its combine of step k, which waited
         for every peer's combine send of step k, which each peer issued after packing its step-k
         rows; likewise a combine send of step k + 1 follows the dispatch wait of k + 1, which
-        follows every peer's combine reduce of step k. (That second chain needs the sender to
-        have waited on dispatch flags, i.e. to host an expert: a rank without experts can set a
-        peer's combine flag of k + 1 before the peer zeroed that of k. With other layers' calls
-        between, as here, their waits close the gap; a one-phase session, where consecutive calls
-        are different layers', is made only where every rank hosts an expert.) And a CUDA graph
-        bakes the phase it was captured with: pinned, replays and eager calls agree on every rank."""
+        follows every peer's combine reduce of step k. That second chain needs the sender to have
+        waited on dispatch flags, i.e. to host an expert: a rank without experts could set a
+        peer's combine flag of k + 1 before the peer zeroed that of k. So `ExpertParallelWorld`
+        pins (and makes a one-phase session) only where every rank hosts an expert; with two
+        alternating phases the chain runs through the call in between. And a CUDA graph bakes the
+        phase it was captured with: pinned, replays and eager calls agree on every rank."""
         self._phase, self._pinned = 0, True
 
     @property

@@ -289,9 +289,11 @@ class ExpertParallelWorld:
     The backend is resolved once. On GPUs with the NVSHMEM backend, one `NvshmemSession` serves
     every layer's communicator: NVSHMEM is initialised once per process, and a session per layer
     would initialise it once per layer. The session is one-phase (every layer shares one phase of
-    buffers, and the heap holds that one phase) where every rank hosts an expert; a rank without
-    experts waits on no dispatch flag, so its next layer's combine flag could overtake a peer's
-    zeroing of the last one, and then each layer keeps its own two phases. `check()` raises a
+    buffers, and the heap holds that one phase) where every rank hosts an expert. A rank without
+    experts waits on no dispatch flag, so its combine flag of one call could overtake a peer's
+    zeroing of the previous call's in the same buffer: there each layer keeps two phases and they
+    alternate, unpinned (the chain then runs through the call in between), so decode runs eagerly
+    across ranks (CUDA graphs need pinned phases: `capturable_ep`). `check()` raises a
     device wait's expiry (call it between steps: the engine does). `close()` ends the layers'
     communicators in layer order, then the session; it is collective (every rank closes) and
     idempotent.
@@ -330,6 +332,7 @@ class ExpertParallelWorld:
         self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
         self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
         self.backend, self.session = backend, None
+        self.pin = True  # pin each communicator to one phase (the NVSHMEM branch below may refuse)
         self.built: list[ExpertParallel] = []
         self._checked: tuple[int, list, list[torch.Tensor]] | None = None  # check()'s communicators
         if self.world_size == 1 or ctx is None or backend == "allgather":
@@ -345,7 +348,7 @@ class ExpertParallelWorld:
             layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
             # the engine calls each layer once per step, in layer order: one phase serves them all,
             # unless a rank hosts no expert (see the class docstring); the placement is global
-            one = every_rank_hosts_an_expert(placement)
+            one = self.pin = every_rank_hosts_an_expert(placement)
             self._rendezvous("NVSHMEM init")
             self.session = NvshmemSession.create(
                 ctx, heap_bytes=heap_bytes(layout, num_moe_layers, one_phase=one), one_phase=one
@@ -383,7 +386,7 @@ class ExpertParallelWorld:
             session=self.session,
             every_token=self.every_token,
         )
-        if isinstance(ep, _TimedEP):  # the engine calls each layer once per step: one phase serves
+        if isinstance(ep, _TimedEP) and self.pin:  # the engine calls each layer once per step: one phase serves
             ep.layer.comm.pin_phase()
         self.built.append(ep)
         return ep
