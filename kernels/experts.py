@@ -9,9 +9,9 @@ read once per active expert. Two kernel kinds split the experts by their row cou
 the bulk kernels (weights staged by bulk copies, up to 16 rows, the decode case) and the register
 kernels (32 rows a pass, more rows). Where a projection's reduction dim is at least
 `ExpertsConfig.bulk_min_k` both kinds are launched and each skips the other's experts, so the split
-needs no host sync; below it the register kernels take every expert. It validates its inputs once, allocates the
-[N, F] intermediate and the [N, D] output, and launches on torch's current stream without a host
-sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
+needs no host sync; below it the register kernels take every expert. It validates its inputs once,
+allocates the [N, F] intermediate and the [N, D] output, and launches on torch's current stream
+without a host sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
 """
 
 from __future__ import annotations

@@ -229,27 +229,17 @@ __device__ __forceinline__ void skinny_bulk(const __nv_bfloat16* __restrict__ x,
     }
 
     // the consumer warps' partial sums meet in warp 0, one warp at a time in a fixed order (deterministic)
+    constexpr int ACC = kMats * MT * NG * 4;  // accumulators per lane, flat (constant indices: registers)
+    float (&flat)[ACC] = reinterpret_cast<float (&)[ACC]>(acc);
     for (int w = 1; w < CW; ++w) {
       if (warp == w) {
 #pragma unroll
-        for (int mat = 0; mat < kMats; ++mat)
-#pragma unroll
-          for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int t = 0; t < NG; ++t)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) red[(((mat * MT + m) * NG + t) * 4 + i) * 32 + lane] = acc[mat][m][t][i];
+        for (int j = 0; j < ACC; ++j) red[j * 32 + lane] = flat[j];
       }
       consumers_sync();
       if (warp == 0) {
 #pragma unroll
-        for (int mat = 0; mat < kMats; ++mat)
-#pragma unroll
-          for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int t = 0; t < NG; ++t)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) acc[mat][m][t][i] += red[(((mat * MT + m) * NG + t) * 4 + i) * 32 + lane];
+        for (int j = 0; j < ACC; ++j) flat[j] += red[j * 32 + lane];
       }
       consumers_sync();  // red is free for the next warp
     }

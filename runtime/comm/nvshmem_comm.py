@@ -153,7 +153,6 @@ class NvshmemComm(Communicator):
         else:
             self.buffer = session.alloc_bytes(2 * self.sym.phase_bytes)
             self._recv = [recv_buffers() for _ in range(2)]
-        self._shares_buffer = session.one_phase
         session.barrier()  # every PE's flags are zero before anyone may write them
         bases = [session.peer_address(self.buffer, r) for r in range(W)]
         unreachable = [r for r, b in enumerate(bases) if b is None]
@@ -293,7 +292,7 @@ class NvshmemComm(Communicator):
         self._closed = True
         torch.cuda.synchronize(self.session.device)
         self.session.barrier()
-        if not self._shares_buffer:  # a shared one lives as long as the session
+        if not self.session.one_phase:  # a shared buffer lives as long as the session
             self.session.free(self.buffer)
         if self._owns_session:
             self.session.close()
