@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
 
@@ -34,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--configs",
         default="4x4",
         help="decode kernel variants WARPSxSTAGES[xMINBLOCKS[xKEY_S8]], comma separated (the best is reported)",
+    )
+    p.add_argument(
+        "--v-layouts",
+        default="token",
+        help="value page layouts to time each variant on (token, quad), comma separated",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
@@ -63,17 +69,24 @@ def _case(
     fp2_bytes = B * HKV * L * 2 * (D // 4 + D // 64) + B * HKV * HP * D * 2 * 2 + q.numel() * 4
     fp16_bytes = B * HKV * (L + HP) * D * 2 * 2
     row = {"B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": D, "fp2_bytes": fp2_bytes, "fp16_bytes": fp16_bytes}
-    for warps, stages, min_blocks, key_s8 in configs:
+    variants = [(c, vl) for c in configs for vl in args.v_layouts.split(",")]
+    for (warps, stages, min_blocks, key_s8), v_layout in variants:
         att = Fp2DecodeAttention(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
             device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=None if key_s8 is None else bool(key_s8),
+            v_layout=v_layout,
         )  # fmt: skip
         name = f"{warps}x{stages}x{min_blocks}" + ("-int8keys" if att.key_s8 else "-fp16keys")  # what ran
-        ms = median_ms(lambda att=att: att(q, layer, batch, max_len=L), args.reps, flush)
+        name += "-quad" if v_layout == "quad" else ""
+        # random words are as random in either layout: the same pools, labelled
+        vl_layer = replace(layer, v_layout=v_layout)
+        ms = median_ms(
+            lambda att=att, vl_layer=vl_layer: att(q, vl_layer, batch, max_len=L), args.reps, flush
+        )
         row[f"fp2_ms_{name}"] = ms
         if "fp2_ms" not in row or ms < row["fp2_ms"]:
             row["fp2_ms"], row["fp2_config"], row["splits"] = ms, name, att.plan(B, L)[0]
-            best = att
+            best, best_layer = att, vl_layer
     # The merge pass alone (bf16 sinks/tail + split partials), on the best variant's last output.
     num_splits, split_tokens = best.plan(B, L)
     row["merge_ms"] = median_ms(
@@ -100,7 +113,7 @@ def _case(
             both = median_ms(
                 lambda y=y, s=s, f=f: (
                     writer.write(y, s, f, layer, batch.block_table),
-                    best(q, layer, batch, max_len=L),
+                    best(q, best_layer, batch, max_len=L),
                 ),
                 args.reps,
                 flush,

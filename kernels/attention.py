@@ -36,6 +36,7 @@ class Fp2KernelConfig:
     stages: int = 4
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
     key_s8: bool = False  # keys through int8 MMAs (k_block >= 64); Fp2DecodeAttention picks it by default
+    v_quad: bool = False  # value pages in the quad layout, value scales on P (v_block >= 16)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -48,6 +49,7 @@ class Fp2KernelConfig:
             "STAGES": self.stages,
             "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
+            "V_QUAD": int(self.v_quad),
         }
 
     def build_options(self, kernel: str) -> BuildOptions:

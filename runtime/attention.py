@@ -38,6 +38,8 @@ class Fp2Layer:
     k_codes / v_codes: [NP, Hkv, P, D/16] int32 code words (bit pattern = uint32).
     k_scales / v_scales: [NP, Hkv, P, NBK] / [NP, Hkv, P, NBV] uint8 (E4M3 or E8M0 bytes).
     levels: [8] fp32, the 4 key levels then the 4 value levels (sorted, e5m2-exact).
+    v_layout: "token" (each token's D/16 words in a row, as the cache writes them) or "quad" (the
+        words of 4 tokens interleaved by byte: runtime/kv/pack.py, `token_to_quad`).
     """
 
     k_codes: torch.Tensor
@@ -45,6 +47,7 @@ class Fp2Layer:
     v_codes: torch.Tensor
     v_scales: torch.Tensor
     levels: torch.Tensor
+    v_layout: str = "token"
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,12 @@ def reference_decode(
         ks, vs = [], []
         if n:
             kc = layer.k_codes[pages].transpose(0, 1).flatten(1, 2)[:, :n]  # [Hkv, n, D/16]
-            vc = layer.v_codes[pages].transpose(0, 1).flatten(1, 2)[:, :n]
+            vp = layer.v_codes[pages]
+            if layer.v_layout == "quad":
+                from zerodram.runtime.kv.pack import quad_to_token
+
+                vp = quad_to_token(vp)
+            vc = vp.transpose(0, 1).flatten(1, 2)[:, :n]
             ksc = layer.k_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             vsc = layer.v_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             ks.append(dequantize_pages(kc, ksc, layer.levels[:4], scale_dtype))
@@ -160,6 +168,8 @@ class Fp2DecodeAttention:
         num_warps, stages, min_blocks: the decode kernel's launch shape (`Fp2KernelConfig`).
         key_s8: keys through int8 MMAs (docs/fp2-kernel.md, "Int8 keys"); None: wherever the format
             allows (k_block >= 64), else the fp16-key path.
+        v_layout: the value pages' layout the module reads ("token" or "quad", see `Fp2Layer`);
+            "quad" needs v_block >= 16.
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -183,6 +193,7 @@ class Fp2DecodeAttention:
         stages: int = 4,
         min_blocks: int = 1,
         key_s8: bool | None = None,
+        v_layout: str = "token",
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -197,6 +208,13 @@ class Fp2DecodeAttention:
                 f"blocks ({k_block}, {v_block}) must divide D={head_dim} and hold a lane's channels "
                 f"(k_block >= {head_dim // 4}, v_block >= {head_dim // 8})"
             )
+        if v_layout not in ("token", "quad"):
+            raise ConfigError(f"v_layout must be 'token' or 'quad', got {v_layout!r}")
+        if v_layout == "quad" and v_block < 16:
+            raise ConfigError(
+                f"the quad value layout needs value blocks of at least 16 channels, got {v_block}"
+            )
+        self.v_layout = v_layout
         if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
             key_s8 = k_block >= 64
         if key_s8 and k_block < 64:
@@ -217,11 +235,11 @@ class Fp2DecodeAttention:
         if self.on_gpu:
             from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
 
-            self.kernels = Fp2Kernels(
-                Fp2KernelConfig(
-                    head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8
-                )
-            )
+            cfg = Fp2KernelConfig(
+                head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
+                v_quad=v_layout == "quad",
+            )  # fmt: skip
+            self.kernels = Fp2Kernels(cfg)
             self.kernels.load()
             props = torch.cuda.get_device_properties(self.device)
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
@@ -280,6 +298,10 @@ class Fp2DecodeAttention:
         _expect(batch.hp_slot, "hp_slot", torch.int32, (B,), dev)
         if q.device != dev:
             raise KVInputError(f"q is on {q.device}, the attention module on {dev}")
+        if layer.v_layout != self.v_layout:
+            raise KVInputError(
+                f"value pages in the {layer.v_layout!r} layout, the module reads {self.v_layout!r}"
+            )
 
     def check_tables(self, layer: Fp2Layer, batch: DecodeBatch) -> None:
         """Page ids and lengths against the pool (synchronises). Raises KVInputError."""
@@ -393,6 +415,8 @@ class Fp2Writer:
         _expect(y, "y", torch.float32, (N, Hkv, 2, self.head_dim), self.device)
         _expect(seq_idx, "seq_idx", torch.int32, (N,), self.device)
         _expect(fp2_idx, "fp2_idx", torch.int32, (N,), self.device)
+        if layer.v_layout != "token":
+            raise KVInputError(f"the writer stores value pages in the token layout, not {layer.v_layout!r}")
         if self.on_gpu:
             rules = int(self.rules[0] == "mse") | (int(self.rules[1] == "mse") << 1)
             self.kernels.write(
@@ -421,8 +445,11 @@ class Fp2Writer:
 def random_fp2_layer(
     num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, *, k_block: int = 64, v_block: int = 64,
     scale_dtype: str = "e4m3", device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+    v_layout: str = "token",
 ) -> Fp2Layer:  # fmt: skip
-    """Random (never zero) FP2 pools for tests and benchmarks: uniform codes, scales in [1/4, 4]."""
+    """Random (never zero) FP2 pools for tests and benchmarks: uniform codes, scales in [1/4, 4].
+
+    Uniform random words are as random in either value layout, so `v_layout` only labels them."""
     from zerodram.runtime.kv.levels import named_levels
     from zerodram.runtime.kv.scales import encode_scale, round_scale
 
@@ -440,7 +467,7 @@ def random_fp2_layer(
 
     lv = named_levels("lm")
     levels = torch.cat([lv, named_levels("sig")]).float().to(dev)  # K and V differ on purpose
-    return Fp2Layer(codes(), scales(k_block), codes(), scales(v_block), levels)
+    return Fp2Layer(codes(), scales(k_block), codes(), scales(v_block), levels, v_layout)
 
 
 def random_decode_batch(

@@ -41,7 +41,9 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
 @pytest.mark.parametrize(
     "cfg",
     [Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True), Fp2KernelConfig(64, 8, 64, 32, "e8m0", key_s8=True),
-     Fp2KernelConfig(128, 1, 128, 64, "e4m3", min_blocks=4, key_s8=True)],
+     Fp2KernelConfig(128, 1, 128, 64, "e4m3", min_blocks=4, key_s8=True),
+     Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True),
+     Fp2KernelConfig(64, 8, 32, 16, "e8m0", v_quad=True), Fp2KernelConfig(128, 2, 64, 128, "e4m3", v_quad=True)],
     ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}{c.scale_dtype}m{c.min_blocks}",
 )  # fmt: skip
 def test_int8_key_variant_compiles_for_sm90(cfg: Fp2KernelConfig) -> None:
@@ -106,6 +108,51 @@ def test_reference_matches_token_by_token_gather() -> None:
     ref = reference_decode(q, layer, batch, 0.088, "e4m3")
     dense = _dense_reference(q, layer, batch, 0.088, 64)
     torch.testing.assert_close(ref, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_quad_value_layout_round_trips_and_places_each_code(D: int) -> None:
+    from zerodram.runtime.kv.pack import quad_channel_order, quad_to_token, token_to_quad, unpack_codes
+
+    g = torch.Generator().manual_seed(D)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 2, 64, D // 16), dtype=torch.int32, generator=g)
+    quad = token_to_quad(words)
+    assert torch.equal(quad_to_token(quad), words)
+    order, codes = quad_channel_order(D), unpack_codes(words)  # [3, 2, 64, D]
+    assert sorted(order.tolist()) == list(range(D))
+    qw = quad.reshape(3, 2, 16, D // 4).long() & 0xFFFFFFFF  # [page, head, quad, word]
+    for t, c in [(0, 0), (5, 37 % D), (62, D - 1), (33, 8), (7, 16)]:
+        pos = int((order == c).nonzero())
+        w, f = divmod(pos, 4)  # the kernel's word g * D/32 + k, field f: channel 32k + 16(f>>1) + 8(f&1) + g
+        gg, k = divmod(w, D // 32)
+        assert c == 32 * k + 16 * (f >> 1) + 8 * (f & 1) + gg
+        assert int(qw[1, 1, t // 4, w] >> (8 * (t % 4) + 2 * f)) & 3 == int(codes[1, 1, t, c])
+
+
+def test_reference_reads_quad_value_pages() -> None:
+    from dataclasses import replace
+
+    from zerodram.runtime.kv.pack import token_to_quad
+
+    g = torch.Generator().manual_seed(3)
+    layer = random_fp2_layer(12, 2, 64, 128, generator=g)
+    batch = random_decode_batch([70, 1, 128], [3, 0, 36], 12, 2, 64, 128, generator=g)
+    q = torch.randn(3, 8, 128, generator=g)
+    quad = replace(layer, v_codes=token_to_quad(layer.v_codes), v_layout="quad")
+    torch.testing.assert_close(
+        reference_decode(q, quad, batch, 0.088, "e4m3"), reference_decode(q, layer, batch, 0.088, "e4m3"),
+        rtol=0, atol=0,
+    )  # fmt: skip
+    with pytest.raises(KVInputError, match="quad"):
+        _module("cpu")(q, quad, batch)  # the module reads the token layout
+    assert _module("cpu", v_layout="quad")(q, quad, batch).shape == (3, 8, 128)
+    with pytest.raises(KVInputError, match="token layout"):
+        Fp2Writer(head_dim=128).write(
+            torch.zeros(1, 2, 2, 128), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            quad, batch.block_table,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="16 channels"):
+        _module("cpu", D=64, k_block=16, v_block=8, v_layout="quad")
 
 
 def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
@@ -211,14 +258,21 @@ GPU_CASES = [
 ]
 
 
-# and the int8-key variant where its format allows (key blocks of at least 64 channels)
-GPU_CASES_S8 = [(*c, False) for c in GPU_CASES] + [(*c, True) for c in GPU_CASES if c[4] >= 64]
+# and the int8-key variant where its format allows (key blocks of at least 64 channels), each with
+# value pages in the token and in the quad layout
+GPU_CASES_S8 = [
+    (*c, s8, vl)
+    for c in GPU_CASES
+    for s8 in (False, True)
+    for vl in ("token", "quad")
+    if c[4] >= 64 or not s8
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top", "key_s8"), GPU_CASES_S8)
+@pytest.mark.parametrize(("D", "G", "Hkv", "scale", "block", "top", "key_s8", "v_layout"), GPU_CASES_S8)
 def test_gpu_decode_matches_reference(
-    D: int, G: int, Hkv: int, scale: str, block: int, top: int, key_s8: bool
+    D: int, G: int, Hkv: int, scale: str, block: int, top: int, key_s8: bool, v_layout: str
 ) -> None:
     rng = torch.Generator().manual_seed(D * 100 + G * 10 + Hkv + block)
     P, B, dev = 64, 8, "cuda"
@@ -228,12 +282,13 @@ def test_gpu_decode_matches_reference(
     pages = sum(math.ceil(n / P) for n in lengths) + 3
     gdev = torch.Generator(device=dev).manual_seed(7)
     layer = random_fp2_layer(
-        pages, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev
-    )
+        pages, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev,
+        v_layout=v_layout,
+    )  # fmt: skip
     batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=dev, generator=gdev)
     att = _module(
         dev, Hq=G * Hkv, Hkv=Hkv, D=D, P=P, max_tokens=top, k_block=block, v_block=block, scale_dtype=scale,
-        key_s8=key_s8,
+        key_s8=key_s8, v_layout=v_layout,
     )  # fmt: skip
     att.check_tables(layer, batch)
     for _ in range(2):  # fresh queries, poisoned buffers, twice
@@ -248,16 +303,16 @@ def test_gpu_decode_matches_reference(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_s8", [False, True])
+@pytest.mark.parametrize(("key_s8", "v_layout"), [(False, "token"), (True, "token"), (True, "quad")])
 @pytest.mark.parametrize("L", [1, 8191, 32768, 131072])
-def test_gpu_decode_long_context(L: int, key_s8: bool) -> None:
+def test_gpu_decode_long_context(L: int, key_s8: bool, v_layout: str) -> None:
     D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
     lengths = [L, max(1, L // 3)]
     pages = sum(math.ceil(n / P) for n in lengths)
     gdev = torch.Generator(device=dev).manual_seed(L)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout=v_layout)
     batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072, key_s8=key_s8)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072, key_s8=key_s8, v_layout=v_layout)
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=L).clone()
@@ -266,9 +321,9 @@ def test_gpu_decode_long_context(L: int, key_s8: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_s8", [False, True])
+@pytest.mark.parametrize(("key_s8", "v_layout"), [(False, "token"), (True, "token"), (True, "quad")])
 @pytest.mark.parametrize("q_scale", [1.0, 6.0])
-def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool) -> None:
+def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool, v_layout: str) -> None:
     """Key scales that grow along each sequence (x16 from first to last page) move the running max
     again and again, so the kernel's lazy rescaling must take the exact max often; q_scale 6 makes
     the softmax peaky."""
@@ -278,7 +333,7 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool) -> No
     lengths = [3000, 2048, 700]
     pages = sum(math.ceil(n / P) for n in lengths)
     gdev = torch.Generator(device=dev).manual_seed(int(q_scale) * 10)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout=v_layout)
     batch = random_decode_batch(lengths, [4, 0, 36], pages, Hkv, P, D, device=dev, generator=gdev)
     for b, n in enumerate(lengths):
         used = math.ceil(n / P)
@@ -286,13 +341,44 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool) -> No
             page = int(batch.block_table[b, i])
             s = torch.exp2(-2 + 4 * i / used + 0.1 * torch.rand(layer.k_scales[page].shape, device=dev))
             layer.k_scales[page] = encode_scale(round_scale(s, "e4m3"), "e4m3")
-    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, key_s8=key_s8)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, key_s8=key_s8, v_layout=v_layout)
     q = torch.randn(B, G * Hkv, D, device=dev, generator=gdev) * q_scale
     att.out.fill_(float("nan"))
     out = att(q, layer, batch, max_len=max(lengths)).clone()
     ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
     for b in range(B):
         assert _rel(out[b], ref[b]) < 3e-3, (b, _rel(out[b], ref[b]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("scale", "v_block"), [("e4m3", 64), ("e8m0", 32), ("e4m3", 16), ("e4m3", 128)])
+def test_gpu_quad_layout_value_scales_over_their_whole_range(scale: str, v_block: int) -> None:
+    """The quad layout multiplies P (<= 2^7) by the value scales in fp16: scales over the format's
+    whole range (E4M3 2^-9..448; E8M0 2^-14..2^8, what the fold keeps) and a peaky softmax must
+    neither overflow nor lose the small terms."""
+    from zerodram.runtime.kv.scales import encode_scale, round_scale
+
+    D, G, Hkv, P, B, dev = 128, 4, 2, 64, 3, "cuda"
+    lengths = [3000, 640, 65]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(v_block)
+    layer = random_fp2_layer(
+        pages, Hkv, P, D, v_block=v_block, scale_dtype=scale, device=dev, generator=gdev, v_layout="quad"
+    )
+    lo, hi = (-9.0, math.log2(448)) if scale == "e4m3" else (-14.0, 8.0)
+    s = torch.exp2(lo + (hi - lo) * torch.rand(layer.v_scales.shape, device=dev, generator=gdev))
+    layer.v_scales.copy_(encode_scale(round_scale(s, scale), scale))
+    batch = random_decode_batch(lengths, [4, 0, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    att = _module(
+        dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, v_block=v_block, scale_dtype=scale, v_layout="quad"
+    )
+    for q_scale in (1.0, 6.0):
+        q = torch.randn(B, G * Hkv, D, device=dev, generator=gdev) * q_scale
+        att.out.fill_(float("nan"))
+        out = att(q, layer, batch, max_len=max(lengths)).clone()
+        ref = reference_decode(q, layer, batch, att.softmax_scale, scale)
+        for b in range(B):
+            assert _rel(out[b], ref[b]) < 3e-3, (q_scale, b, _rel(out[b], ref[b]))
 
 
 @pytest.mark.gpu

@@ -118,6 +118,18 @@ ZD_DEVICE uint32_t scales_to_half2(uint32_t pair) {
   }
 }
 
+// Two value scales for the quad layout, where they multiply P (<= 2^7) in fp16: scales_to_half2,
+// with E8M0 clamped to [2^-14, 2^8] instead (E4M3 stays <= 448), so that the product stays finite.
+template <int FMT>
+ZD_DEVICE uint32_t value_scales_to_half2(uint32_t pair) {
+  if constexpr (FMT == kScaleE4M3) {
+    return scales_to_half2<kScaleE4M3>(pair);
+  } else {
+    uint32_t e0 = min(max(pair & 0xFFu, 113u), 135u), e1 = min(max((pair >> 8) & 0xFFu, 113u), 135u);
+    return ((e0 - 112u) << 10) | ((e1 - 112u) << 26);
+  }
+}
+
 // One 8-bit scale as fp32, exactly (E8M0: 2^(e-127), no clamping; the byte 0xFF, NaN by the
 // format, gives inf, which only unwritten slots hold and the kernels mask).
 template <int FMT>

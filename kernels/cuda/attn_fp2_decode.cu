@@ -51,6 +51,9 @@
 #ifndef KEY_S8
 #define KEY_S8 0  // 1: keys as int8 in m16n8k32 IMMAs, key scales applied to the scores (K_BLOCK >= 64)
 #endif
+#ifndef V_QUAD
+#define V_QUAD 0  // 1: value pages in the quad layout, value scales folded into P (docs/fp2-kernel.md)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
@@ -76,6 +79,9 @@ static_assert(K_BLOCK >= 16 * WPL && D % K_BLOCK == 0, "key block must cover a l
 static_assert(V_BLOCK >= D / 8 && D % V_BLOCK == 0, "value block must cover a lane's channels");
 // KEY_S8: a k32 step must lie in one key scale block (its partial scores get that block's scale).
 static_assert(!KEY_S8 || K_BLOCK >= 64, "KEY_S8 needs key blocks of at least 64 channels");
+// V_QUAD: an output M-tile (16 channels) must lie in one value scale block (its P^T carries that
+// block's scales).
+static_assert(!V_QUAD || V_BLOCK >= 16, "the quad value layout needs value blocks of at least 16 channels");
 static_assert(TOK * NBK % 16 == 0 && TOK * NBV % 16 == 0, "scale rows of a stage copy in 16 B");
 
 struct __align__(16) Stage {
@@ -92,13 +98,49 @@ static_assert(sizeof(Stage) % 16 == 0, "stages stay 16-byte aligned");
 // groups.
 ZD_DEVICE int tok_of_pos8(int p) { return (p & 4) | (((p & 3) + (p >> 2)) & 3); }
 
+// Score row r (0..15) of a 16-token tile -> its token in the tile. With V_QUAD, rows 2t, 2t+1,
+// 2t+8, 2t+9 are tokens 4t..4t+3 (quad t): the output MMA's k pairs (2t, 2t+1) and (2t+8, 2t+9) of
+// lane t are then bytes 0-1 and 2-3 of quad t's words, which one expansion yields as half2 pairs.
+ZD_DEVICE int tok_of_row(int r) {
+  if constexpr (V_QUAD) return 4 * ((r & 7) >> 1) + (r & 1) + 2 * (r >> 3);
+  return 8 * (r >> 3) + tok_of_pos8(r & 7);
+}
+
+// Shared-memory place of 16-byte chunk c of a stage's key run (token-major rows of WPR words). The
+// quad row order has the 8 rows of an MMA half-tile at only two values of tok % 4, i.e. in two
+// bank groups of plain rows; V_QUAD permutes the chunks inside each 128-byte group of rows so that
+// those rows (4- and 8-byte loads alike) fall in distinct bank groups.
+ZD_DEVICE int k_chunk(int c) {
+  if constexpr (!V_QUAD) return c;
+  if constexpr (D == 128) {
+    const int x = (c >> 3) & 3;  // rows 4x..4x+3 of an 16-row tile: chunk XOR 0, 4, 1, 5
+    return c ^ (((x & 1) << 2) | (x >> 1));
+  }
+  return c ^ (((c >> 3) & 1) << 1);  // D = 64: one chunk per row
+}
+// Shared-memory index of key code word w of stage token tok.
+ZD_DEVICE int k_word(int tok, int w) { return 4 * k_chunk(tok * (WPR / 4) + (w >> 2)) + (w & 3); }
+
+// Shared-memory place of 16-byte chunk c of a stage's value run. V_QUAD: quad q's chunk k (lane
+// group g's words: k = g at D = 128, g / 2 at D = 64) moves to k ^ 2(q % 4) (D = 64: k ^ (q & 2)),
+// so that the lanes of one load phase, which read the same k of four quads, hit distinct banks.
+ZD_DEVICE int v_chunk(int c) {
+  if constexpr (!V_QUAD) return c;
+  constexpr int CPQ = D / 16;  // chunks per quad
+  const int q = c / CPQ, k = c % CPQ;
+  return q * CPQ + (k ^ (D == 128 ? 2 * (q & 3) : (q & 2)));
+}
+
 // The K channel held in k-step ks, k index kk (0..15) by the lanes with t = (kk % 8) / 2.
 ZD_DEVICE int k_channel(int ks, int kk) {
   const int t = (kk & 7) >> 1, e = kk & 1, hi = kk >> 3;
   return 16 * (t * WPL + ks / 4) + 8 * hi + 4 * e + (ks & 3);
 }
 // The V channel of output row (m-tile m, half r) for lane group g.
-ZD_DEVICE int v_channel(int g, int r, int m) { return g * (D / 8) + r * (D / 16) + m; }
+ZD_DEVICE int v_channel(int g, int r, int m) {
+  if constexpr (V_QUAD) return 16 * m + 8 * r + g;  // runtime/kv/pack.py, quad_channel_order
+  return g * (D / 8) + r * (D / 16) + m;
+}
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
 #if KEY_S8
@@ -138,8 +180,8 @@ ZD_DEVICE void load_stage(Stage* st, int lane, const uint32_t* kc, const uint32_
   constexpr int kChunks = TOK * WPR / 4;  // 16-byte chunks of one side's codes
 #pragma unroll
   for (int c = lane; c < kChunks; c += 32) {
-    cp_async16(smem_addr(st->kc + 4 * c), kc + 4 * c, 16);
-    cp_async16(smem_addr(st->vc + 4 * c), vc + 4 * c, 16);
+    cp_async16(smem_addr(st->kc + 4 * k_chunk(c)), kc + 4 * c, 16);
+    cp_async16(smem_addr(st->vc + 4 * v_chunk(c)), vc + 4 * c, 16);
   }
   if (lane < TOK * NBK / 16) cp_async16(smem_addr(st->ks + 16 * lane), ks + 16 * lane, 16);
   if (lane < TOK * NBV / 16) cp_async16(smem_addr(st->vs + 16 * lane), vs + 16 * lane, 16);
@@ -156,9 +198,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     uint32_t a[2][WPJ][4];  // [row half][word][register], expand_word_bytes' order
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t* row = st->kc + (16 * i + 8 * r + tok_of_pos8(g)) * WPR;
+      const int tok = 16 * i + tok_of_row(g + 8 * r);
 #pragma unroll
-      for (int j = 0; j < WPJ; ++j) expand_word_bytes(row[4 * j + t], key.table, a[r][j]);
+      for (int j = 0; j < WPJ; ++j) expand_word_bytes(st->kc[k_word(tok, 4 * j + t)], key.table, a[r][j]);
     }
     int hi[NBK][4], lo[NBK][4];  // partial dot products per key scale block, per query term
 #pragma unroll
@@ -173,7 +215,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, heads 2t, 2t+1
-      const uint8_t* sb = st->ks + (16 * i + 8 * r + tok_of_pos8(g)) * NBK;
+      const uint8_t* sb = st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK;
 #pragma unroll
       for (int b = 0; b < NBK; ++b) {
         const float sc = scale_to_float<SCALE_FMT>(sb[b]);
@@ -187,9 +229,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       }
     }
     if constexpr (PARTIAL) {
-      const int tok0 = 16 * i + tok_of_pos8(g);
+      const int tok0 = 16 * i + tok_of_row(g), tok1 = 16 * i + tok_of_row(g + 8);
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
-      if (!((valid >> (tok0 + 8)) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+      if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
     }
   }
 #else
@@ -198,12 +240,12 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     uint32_t a[NKS][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int tok = 16 * i + 8 * r + tok_of_pos8(g);
+      const int tok = 16 * i + tok_of_row(g + 8 * r);
       const uint32_t sbyte = st->ks[tok * NBK + (16 * t * WPL) / K_BLOCK];
       const __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(sbyte * 0x0101u));
       const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(key.kl01), s2));
       const uint32_t t23 = h2_as_u32(__hmul2(u32_as_h2(key.kl23), s2));
-      const uint32_t* row = st->kc + tok * WPR + t * WPL;
+      const uint32_t* row = st->kc + k_word(tok, t * WPL);  // WPL <= 2 words: one chunk
 #pragma unroll
       for (int w = 0; w < WPL; ++w) {
         uint32_t e[8];
@@ -220,9 +262,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], key.qf[ks][0], key.qf[ks][1]);
     if constexpr (PARTIAL) {
-      const int tok0 = 16 * i + tok_of_pos8(g);
+      const int tok0 = 16 * i + tok_of_row(g), tok1 = 16 * i + tok_of_row(g + 8);
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
-      if (!((valid >> (tok0 + 8)) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+      if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
     }
   }
 #endif
@@ -233,7 +275,8 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // exceeds m + kRescaleSlack (one vote, no shuffles), m is kept and nothing is rescaled; the
   // exact max over the warp (a 3-level shuffle chain, the longest dependency of a stage) is taken
   // only when some score does, which after the first stages is rare. P <= 2^8 fits fp16 easily.
-  constexpr float kRescaleSlack = 8.f;
+  // V_QUAD: 7, so that P^T times a value scale (<= 448) stays inside fp16 (2^7 * 448 < 65504).
+  constexpr float kRescaleSlack = V_QUAD ? 7.f : 8.f;
   float mx[2] = {sm.m[0], sm.m[1]};
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -268,10 +311,67 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     const float p2 = ex2(sacc[i][2] - sm.m[0]), p3 = ex2(sacc[i][3] - sm.m[1]);
     sm.l[0] += p0 + p2;
     sm.l[1] += p1 + p3;
-    pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[tok 2t, 2t+1][head g]
-    pb[i][1] = movmatrix_trans(pack_half2(p2, p3));  // P^T[tok 2t+8, 2t+9][head g]
+    pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 2t, 2t+1][head g]
+    pb[i][1] = movmatrix_trans(pack_half2(p2, p3));  // P^T[rows 2t+8, 2t+9][head g]
   }
 
+#if V_QUAD
+  // ---- out^T += V^T (P^T times the value scales) ----------------------------------------------
+  // Quad layout (runtime/kv/pack.py): lane (g, t) reads the 16 (D = 64: 8) bytes of quad 4i + t that
+  // hold its rows g and g + 8 of every M-tile for the quad's 4 tokens, and one expansion per word
+  // gives the A registers directly (no byte interleave, no per-register scale multiply). The value
+  // scales ride on P^T instead: pb[i][h] holds P^T at tokens 4t + 2h, 4t + 2h + 1 of the tile for
+  // head g, times each value block's scales of those tokens (one HMUL2 per block and register);
+  // M-tile m takes block 16m / V_BLOCK's copy.
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int q = 4 * i + t;  // the lane's quad in the stage
+    uint32_t qs[NBV];         // the quad's scale bytes: token j, block b at byte j * NBV + b
+#pragma unroll
+    for (int x = 0; x < NBV; ++x) qs[x] = reinterpret_cast<const uint32_t*>(st->vs + q * 4 * NBV)[x];
+    uint32_t pv[NBV][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t keep = 0xffffffffu;
+      if constexpr (PARTIAL) {
+        // Unwritten slots may hold any scale byte (E4M3 0x7f is NaN) and 0 * NaN is NaN: zero them.
+        const int ta = 4 * q + 2 * h;
+        keep = (((valid >> ta) & 1u) ? 0x0000ffffu : 0u) | (((valid >> (ta + 1)) & 1u) ? 0xffff0000u : 0u);
+      }
+#pragma unroll
+      for (int b = 0; b < NBV; ++b) {
+        const int i0 = 2 * h * NBV + b, i1 = i0 + NBV;  // bytes of tokens 2h, 2h + 1 of the quad
+        const uint32_t pair = prmt(qs[i0 >> 2], qs[i1 >> 2], (i0 & 3) | (((i1 & 3) + 4) << 4));
+        const uint32_t s2 = value_scales_to_half2<SCALE_FMT>(pair) & keep;
+        pv[b][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(s2)));
+      }
+    }
+    uint32_t w[D / 32];  // the lane's words of the quad (chunk moved by v_chunk)
+    if constexpr (D == 128) {
+      const uint4 x = *reinterpret_cast<const uint4*>(st->vc + 4 * ((q << 3) | (g ^ (2 * t))));
+      w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    } else {
+      const uint2 x = *reinterpret_cast<const uint2*>(st->vc + 4 * ((q << 2) | ((g >> 1) ^ (t & 2))) + 2 * (g & 1));
+      w[0] = x.x, w[1] = x.y;
+    }
+    uint32_t a[NKS][4];
+#pragma unroll
+    for (int k = 0; k < D / 32; ++k) {
+      // word k, field f: M-tile 2k + f / 2, row g + 8 (f % 2); bytes 0-1 are k pair (2t, 2t+1),
+      // bytes 2-3 k pair (2t+8, 2t+9), and expand_word_e5m2 gives field f of bytes 0-1 at e[2f],
+      // of bytes 2-3 at e[2f + 1]
+      uint32_t e[8];
+      expand_word_e5m2(w[k], vlt, e);
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        a[2 * k + (f >> 1)][f & 1] = e[2 * f];
+        a[2 * k + (f >> 1)][2 + (f & 1)] = e[2 * f + 1];
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < NKS; ++m) mma_f16(oacc[m], a[m], pv[16 * m / V_BLOCK][0], pv[16 * m / V_BLOCK][1]);
+  }
+#else
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -327,6 +427,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       mma_f16(oacc[m], a, pb[i][0], pb[i][1]);
     }
   }
+#endif
 }
 
 }  // namespace

@@ -13,6 +13,8 @@ from zerodram.runtime.kv.errors import KVInputError
 
 CODES_PER_WORD = 16
 _SHIFTS = torch.arange(0, 32, 2, dtype=torch.int64)  # [16]
+_FIELD_SHIFTS = torch.arange(0, 8, 2, dtype=torch.int64)  # [4] the 2-bit fields of a byte
+_BYTE_SHIFTS = torch.arange(0, 32, 8, dtype=torch.int64)  # [4] the bytes of a word
 
 
 def pack_codes(codes: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
@@ -42,3 +44,55 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
     w = words.long() & 0xFFFFFFFF
     c = (w[..., None] >> constant_on(_SHIFTS, w.device)) & 3
     return c.reshape(*words.shape[:-1], -1).to(torch.uint8)
+
+
+# ---- value pages in quad layout ------------------------------------------------------------------
+#
+# The decode kernel's value operand wants, per lane, four tokens of a few channels at once
+# (docs/fp2-kernel.md, "Quad value layout"). In the quad layout the [P, D/16] words of a (page,
+# KV head) are P/4 quads of D/4 words; byte j of a quad's word holds token 4q + j, its four 2-bit
+# fields (bits 2f, 2f+1) four channels. Word w = g * D/32 + k (g in 0..7, k in 0..D/32-1), field f
+# holds channel 32k + 16(f >> 1) + 8(f & 1) + g: M-tiles 2k and 2k+1 (16 channels each), rows g and
+# g + 8, of the kernel's output MMA. The same bytes as the token layout, in another order: a token
+# is one byte in each of its quad's words, so a writer stores bytes, never a partial byte.
+
+
+def quad_channel_order(head_dim: int) -> torch.Tensor:
+    """[D] int64: the channel of byte position (word w, field f) = 4w + f of a quad-layout token."""
+    if head_dim % 32:
+        raise KVInputError(f"the quad layout needs a head dim divisible by 32, got {head_dim}")
+    w = torch.arange(head_dim // 4)
+    g, k = w // (head_dim // 32), w % (head_dim // 32)
+    f = torch.arange(4)
+    return (32 * k[:, None] + 16 * (f[None] >> 1) + 8 * (f[None] & 1) + g[:, None]).reshape(-1)
+
+
+def token_to_quad(words: torch.Tensor) -> torch.Tensor:
+    """Value pages [..., P, D/16] int32 in the token layout -> the same pages in the quad layout."""
+    *lead, P, W = words.shape
+    if P % 4:
+        raise KVInputError(f"the quad layout needs pages of a multiple of 4 tokens, got {P}")
+    D = CODES_PER_WORD * W
+    codes = unpack_codes(words)[..., quad_channel_order(D).to(words.device)]  # [..., P, D] byte order
+    f = codes.reshape(*lead, P // 4, 4, D // 4, 4).long()  # [..., quad, token j, word, field]
+    byte = (f << constant_on(_FIELD_SHIFTS, f.device)).sum(-1)  # [..., quad, j, word]
+    return _bytes_to_words(byte.transpose(-1, -2)).reshape(*lead, P, W)  # byte j of each word
+
+
+def quad_to_token(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `token_to_quad`: quad-layout value pages [..., P, D/16] -> the token layout."""
+    *lead, P, W = words.shape
+    D = CODES_PER_WORD * W
+    w = (words.long() & 0xFFFFFFFF).reshape(*lead, P // 4, D // 4, 1)
+    byte = (w >> constant_on(_BYTE_SHIFTS, w.device)) & 0xFF  # [..., quad, word, token j]
+    f = (byte.transpose(-1, -2)[..., None] >> constant_on(_FIELD_SHIFTS, w.device)) & 3
+    ordered = f.reshape(*lead, P, D)  # [..., token, byte position 4w + f]
+    codes = torch.empty_like(ordered)
+    codes[..., quad_channel_order(D).to(words.device)] = ordered
+    return pack_codes(codes.to(torch.uint8), check_range=False)
+
+
+def _bytes_to_words(byte: torch.Tensor) -> torch.Tensor:
+    """[..., 4] int64 bytes (byte j at bits 8j) -> [...] int32 words."""
+    words = (byte << constant_on(_BYTE_SHIFTS, byte.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
