@@ -354,22 +354,20 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       const uint2 x = *reinterpret_cast<const uint2*>(st->vc + 4 * ((q << 2) | ((g >> 1) ^ (t & 2))) + 2 * (g & 1));
       w[0] = x.x, w[1] = x.y;
     }
-    uint32_t a[NKS][4];
 #pragma unroll
     for (int k = 0; k < D / 32; ++k) {
       // word k, field f: M-tile 2k + f / 2, row g + 8 (f % 2); bytes 0-1 are k pair (2t, 2t+1),
       // bytes 2-3 k pair (2t+8, 2t+9), and expand_word_e5m2 gives field f of bytes 0-1 at e[2f],
-      // of bytes 2-3 at e[2f + 1]
+      // of bytes 2-3 at e[2f + 1]. Each word's two M-tiles are multiplied right after it is expanded.
       uint32_t e[8];
       expand_word_e5m2(w[k], vlt, e);
 #pragma unroll
-      for (int f = 0; f < 4; ++f) {
-        a[2 * k + (f >> 1)][f & 1] = e[2 * f];
-        a[2 * k + (f >> 1)][2 + (f & 1)] = e[2 * f + 1];
+      for (int h = 0; h < 2; ++h) {
+        const int m = 2 * k + h;
+        const uint32_t a[4] = {e[4 * h], e[4 * h + 2], e[4 * h + 1], e[4 * h + 3]};
+        mma_f16(oacc[m], a, pv[16 * m / V_BLOCK][0], pv[16 * m / V_BLOCK][1]);
       }
     }
-#pragma unroll
-    for (int m = 0; m < NKS; ++m) mma_f16(oacc[m], a[m], pv[16 * m / V_BLOCK][0], pv[16 * m / V_BLOCK][1]);
   }
 #else
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
