@@ -317,19 +317,23 @@ class LayerBench:
         hp = min(L, NUM_SINKS + TAIL)
         n_fp2 = L - hp
         pages = max(1, B * math.ceil(n_fp2 / PAGE))
-        layer = random_fp2_layer(pages, cfg.num_kv_heads, PAGE, cfg.head_dim, device=self.dev, generator=gen)
+        writer = self._fp2_writer(B, L, gen)
+        v_layout = writer[0].v.layout  # the value layout the engine's cache stores (and its kernel reads)
+        layer = random_fp2_layer(
+            pages, cfg.num_kv_heads, PAGE, cfg.head_dim, device=self.dev, generator=gen, v_layout=v_layout
+        )
         batch = random_decode_batch(
             [n_fp2] * B, [hp] * B, pages, cfg.num_kv_heads, PAGE, cfg.head_dim, hp_max=NUM_SINKS + TAIL,
             device=self.dev, generator=gen,
         )  # fmt: skip
         attn = Fp2DecodeAttention(
             num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=PAGE,
-            max_batch=B, max_fp2_tokens=max(n_fp2, 1), device=self.dev,
+            max_batch=B, max_fp2_tokens=max(n_fp2, 1), device=self.dev, v_layout=v_layout,
         )  # fmt: skip
         # The cache's stored space: a random rotation per side and unit anchors (values don't matter).
         rot = torch.linalg.qr(torch.randn(2, cfg.head_dim, cfg.head_dim, device=self.dev, generator=gen))[0]
         anchor = torch.ones(cfg.num_kv_heads, cfg.head_dim, device=self.dev)
-        return attn, layer, batch, rot, anchor, n_fp2, self._fp2_writer(B, L, gen)
+        return attn, layer, batch, rot, anchor, n_fp2, writer
 
     def _fp2_writer(self, B: int, L: int, gen: Any) -> tuple:
         """(cache, static index) for the engine's decode write of B sequences that hold L tokens:

@@ -34,11 +34,12 @@ class DecodeWriteConfig:
     k_block: int
     v_block: int
     scale_dtype: str
+    v_quad: bool = False  # value pages in the quad layout (runtime/kv/pack.py)
 
     def build_options(self) -> BuildOptions:
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
-            "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND,
+            "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND, "V_QUAD": int(self.v_quad),
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 

@@ -522,7 +522,9 @@ def layer_from_cache(cache) -> Fp2Layer:
         # A value center must be added back to the output (docs/fp2-format.md); the kernels don't.
         raise ConfigError("the FP2 kernels do not add a value center back (vcenter=1); use kcenter only")
     levels = torch.cat([cache.params[0].levels, cache.params[1].levels]).float().to(cache.device)
-    return Fp2Layer(cache.k.codes, cache.k.scales, cache.v.codes, cache.v.scales, levels.contiguous())
+    return Fp2Layer(
+        cache.k.codes, cache.k.scales, cache.v.codes, cache.v.scales, levels.contiguous(), cache.v.layout
+    )
 
 
 def batch_from_cache(cache, seq_ids: list[int]) -> DecodeBatch:

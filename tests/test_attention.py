@@ -553,7 +553,7 @@ def test_matches_kv_reference_decode_on_a_real_cache() -> None:
     from zerodram.runtime.kv.attention import reference_decode_attention
 
     cache, sids, q = _kv_cache_case("cpu", [1, 5, 40, 300])
-    att = _module("cpu", max_tokens=1024)
+    att = _module("cpu", max_tokens=1024, v_layout=cache.v.layout)
     ref = reference_decode_attention(q, cache, sids)
     torch.testing.assert_close(_kernel_side(att, cache, sids, q, 4), ref, rtol=1e-4, atol=1e-4)
 
@@ -563,7 +563,7 @@ def test_gpu_matches_kv_reference_decode_on_a_real_cache() -> None:
     from zerodram.runtime.kv.attention import reference_decode_attention
 
     cache, sids, q = _kv_cache_case("cuda", [1, 5, 40, 300, 1000])
-    att = _module("cuda", max_tokens=1024)
+    att = _module("cuda", max_tokens=1024, v_layout=cache.v.layout)
     att.out.fill_(float("nan"))
     ref = reference_decode_attention(q, cache, sids)
     assert _rel(_kernel_side(att, cache, sids, q, 4), ref) < 3e-3

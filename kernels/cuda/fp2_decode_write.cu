@@ -18,7 +18,9 @@
 //      the codes: nearest (y / s >= m_i) or error feedback channel by channel as fp2_feedback.cu,
 //      bit for bit, from the factor rows pre-divided by their diagonal (`rows`: the same IEEE
 //      quotients that kernel recomputes at each use);
-//   5. codes packed 16 to a word by warp shuffles, scales encoded, both stored at (page, page row).
+//   5. codes packed 16 to a word by warp shuffles, scales encoded, both stored at (page, page row);
+//      with V_QUAD the values' codes go out as one byte per quad word instead (the quad layout,
+//      runtime/kv/pack.py): byte stores, so the other three tokens of the quad are untouched.
 //
 // Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
 // write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
@@ -45,6 +47,9 @@
 #endif
 #ifndef NUM_CAND
 #define NUM_CAND 33
+#endif
+#ifndef V_QUAD
+#define V_QUAD 0  // 1: value pages in the quad layout
 #endif
 
 namespace {
@@ -80,10 +85,11 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
-// Step 4 and 5 for one side (BS channels per block), warp 0 only; v: the row, lane-strided.
-template <int BS>
+// Step 4 and 5 for one side (BS channels per block), warp 0 only; v: the row, lane-strided. words:
+// the row's D/16 words, or with QUAD its quad's D/4 words, the row being token quad_token (0..3).
+template <int BS, bool QUAD>
 __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float* __restrict__ fracs,
-                             bool mse, const float* __restrict__ rows, uint32_t* __restrict__ words,
+                             bool mse, const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
                              uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
@@ -166,13 +172,25 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
     }
   }
 
-  // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
+  if constexpr (QUAD) {
+    // Quad word (g, k) = g * PER + k holds, in byte quad_token, the channels 32k + 8f + g (f = 0..3,
+    // field f): lanes g, g + 8, g + 16, g + 24 of slot k.
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    uint32_t w = uint32_t(code[i]) << (2 * (lane & 15));
+    for (int i = 0; i < PER; ++i) {
+      uint32_t x = uint32_t(code[i]) << (2 * (lane >> 3));
+      x |= __shfl_xor_sync(kFull, x, 8);
+      x |= __shfl_xor_sync(kFull, x, 16);
+      if (lane < 8) reinterpret_cast<uint8_t*>(words)[4 * (lane * PER + i) + quad_token] = uint8_t(x);
+    }
+  } else {
+    // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
 #pragma unroll
-    for (int off = 1; off < 16; off <<= 1) w |= __shfl_xor_sync(kFull, w, off);
-    if ((lane & 15) == 0) words[2 * i + (lane >> 4)] = w;
+    for (int i = 0; i < PER; ++i) {
+      uint32_t w = uint32_t(code[i]) << (2 * (lane & 15));
+#pragma unroll
+      for (int off = 1; off < 16; off <<= 1) w |= __shfl_xor_sync(kFull, w, off);
+      if ((lane & 15) == 0) words[2 * i + (lane >> 4)] = w;
+    }
   }
   if (lane == 0) {
 #pragma unroll
@@ -223,10 +241,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   // 4, 5. scales, codes, stores at (page, page row): the real page, or the scratch page
   const long long at = (page * H + h) * page_size + prow;
   if (side == 0)
-    quantize_row<K_BLOCK>(v, lane, k_levels, fracs, rules & 1, k_rows == nullptr ? nullptr : k_rows + (long long)h * D * D,
-                          k_codes + at * (D / 16), k_scales + at * (D / K_BLOCK));
+    quantize_row<K_BLOCK, false>(v, lane, k_levels, fracs, rules & 1,
+                                 k_rows == nullptr ? nullptr : k_rows + (long long)h * D * D, k_codes + at * (D / 16), 0,
+                                 k_scales + at * (D / K_BLOCK));
   else
-    quantize_row<V_BLOCK>(v, lane, v_levels, fracs, (rules >> 1) & 1,
-                          v_rows == nullptr ? nullptr : v_rows + (long long)h * D * D, v_codes + at * (D / 16),
-                          v_scales + at * (D / V_BLOCK));
+    quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, fracs, (rules >> 1) & 1,
+                                  v_rows == nullptr ? nullptr : v_rows + (long long)h * D * D,
+                                  v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
+                                  v_scales + at * (D / V_BLOCK));
 }

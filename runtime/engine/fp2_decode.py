@@ -134,6 +134,7 @@ class Fp2FusedDecode:
             device=self.device,
             softmax_scale=scale,
             key_s8=False if inexact else None,
+            v_layout=c0.v.layout,
         )
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,

@@ -19,8 +19,9 @@ from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.cache import KVCache
+from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
-from zerodram.runtime.kv.pack import pack_codes, unpack_codes
+from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes, quad_to_token, unpack_codes
 from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
@@ -34,19 +35,46 @@ from zerodram.runtime.kv.quantize import (
 from zerodram.runtime.kv.scales import decode_scale, encode_scale
 
 
-class _SidePages:
-    """Page storage of one side (K or V)."""
+def value_layout(side: Fp2TensorSpec, head_dim: int, page_size: int) -> str:
+    """The value pages' layout: "quad" where the decode kernel folds the value scales into P (channel
+    blocks of at least 16 channels, a head dim of 32s, pages of 4s), else "token"."""
+    quad = side.block_axis == "channel" and side.block_size >= 16 and head_dim % 32 == 0 and page_size % 4 == 0
+    return "quad" if quad else "token"
 
-    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device) -> None:
-        self.side = side
+
+class _SidePages:
+    """Page storage of one side (K or V).
+
+    layout: how a page's code words hold its tokens (docs/fp2-format.md, "Physical layout"):
+    "token" (row t = token t's D/16 words) or "quad" (4 tokens interleaved by byte, the values'
+    layout wherever the decode kernel can fold their scales: runtime/kv/pack.py).
+    """
+
+    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device, layout: str) -> None:
+        self.side, self.layout = side, layout
         bs = side.block_size
         self.codes = torch.zeros(
             num_pages, H, P, D // 16, dtype=torch.int32, device=device
         )  # [pages, H, P, D/16]
+        self._bytes = quad_byte_view(self.codes) if layout == "quad" else None  # [pages, H, P/4, D/4, 4]
         sshape = (num_pages, H, P, D // bs) if side.block_axis == "channel" else (num_pages, H, P // bs, D)
         sdt = {"e4m3": torch.uint8, "e8m0": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
         self.scales = torch.zeros(sshape, dtype=sdt[side.scale_dtype], device=device)
         self.offsets = torch.zeros(sshape, dtype=torch.bfloat16, device=device) if side.asymmetric else None
+
+    def store(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
+        """codes [N, H, D] uint8 to page row row[i] of page page[i] (page, row: [N] int64)."""
+        if self._bytes is None:
+            self.codes[page, :, row] = pack_codes(codes, check_range=check_range)  # [N, H, D/16]
+        else:
+            if check_range and (codes.dtype != torch.uint8 or (codes.numel() and int(codes.max()) > 3)):
+                raise KVInputError(f"codes must be uint8 in [0, 3], got {codes.dtype}, max {int(codes.max())}")
+            self._bytes[page, :, torch.div(row, 4, rounding_mode="floor"), :, row % 4] = quad_bytes(codes)
+
+    def load(self, pages: torch.Tensor) -> torch.Tensor:
+        """The codes of whole pages [n] -> [n, H, P, D] uint8, in token order."""
+        words = self.codes[pages]
+        return unpack_codes(words if self._bytes is None else quad_to_token(words))
 
     def copy(self, src: int, dst: int) -> None:
         self.codes[dst] = self.codes[src]
@@ -151,8 +179,8 @@ class Fp2KVCache(KVCache):
         # One page and one slot past the pool's are never handed out: a fixed-shape decode write
         # (`write_decode_static`) sends its padding rows and its non-flushing rows there.
         self.scratch_page, self.scratch_slot = self.num_pages, self.tables.max_seqs
-        self.k = _SidePages(spec.k, self.num_pages + 1, H, P, D, dev)
-        self.v = _SidePages(spec.v, self.num_pages + 1, H, P, D, dev)
+        self.k = _SidePages(spec.k, self.num_pages + 1, H, P, D, dev, "token")
+        self.v = _SidePages(spec.v, self.num_pages + 1, H, P, D, dev, value_layout(spec.v, D, P))
         self.rule = tail_rule(spec)
         rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
         n_slots = self.tables.max_seqs + 1
@@ -226,7 +254,9 @@ class Fp2KVCache(KVCache):
             return None
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
-        cfg = DecodeWriteConfig(self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype)
+        cfg = DecodeWriteConfig(
+            self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype, self.v.layout == "quad"
+        )
         return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), MSE_FRACTIONS, self.device)
 
     # -- accounting --
@@ -288,7 +318,7 @@ class Fp2KVCache(KVCache):
                 hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])
             )  # [Bf * F, H, D]
             codes, scales, offsets = quantize_stored(y.float(), side, params)
-            pages.codes[page_t, :, prow_t] = pack_codes(codes)  # [Bf * F, H, D/16]
+            pages.store(page_t, prow_t, codes, check_range=True)  # [Bf * F, H, D]
             raw = encode_scale(scales, side.scale_dtype)
             if side.block_axis == "channel":
                 srow_page, srow = page_t, prow_t
@@ -391,7 +421,7 @@ class Fp2KVCache(KVCache):
             codes, scales, offsets = quantize_stored(
                 hp[ix.slot, :, S].float(), side, params
             )  # oldest tail row
-            pages.codes[ix.page, :, ix.page_row] = pack_codes(codes, check_range=False)  # [Bp, H, D/16]
+            pages.store(ix.page, ix.page_row, codes, check_range=False)  # [Bp, H, D]
             pages.scales[ix.page, :, ix.page_row] = encode_scale(scales, side.scale_dtype)
             if pages.offsets is not None:
                 pages.offsets[ix.page, :, ix.page_row] = offsets.to(torch.bfloat16)
@@ -464,7 +494,6 @@ class Fp2KVCache(KVCache):
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
         into their page rows."""
         codes, scales, offsets = quantize_stored(y, side, params)  # codes [N, H, D]
-        words = pack_codes(codes)  # [N, H, D/16]
         raw = encode_scale(scales, side.scale_dtype)
         bs = 1 if side.block_axis == "channel" else side.block_size  # tokens per scale row
         a = 0
@@ -472,7 +501,8 @@ class Fp2KVCache(KVCache):
             j = j0 + a
             page, r0 = self.tables.pages[seq_id][j // self.page_size], j % self.page_size
             b = min(y.shape[0], a + self.page_size - r0)
-            pages.codes[page, :, r0 : r0 + b - a] = words[a:b].transpose(0, 1)
+            rows = torch.arange(r0, r0 + b - a, device=codes.device)
+            pages.store(torch.full_like(rows, page), rows, codes[a:b], check_range=True)
             dst = (page, slice(None), slice(r0 // bs, (r0 + b - a) // bs))
             pages.scales[dst] = raw[a // bs : b // bs].transpose(0, 1)
             if pages.offsets is not None:
@@ -502,7 +532,7 @@ class Fp2KVCache(KVCache):
         parts = [hp[seq_id, :, : min(n, S)].float().transpose(0, 1)]  # sinks [<=S, H, D]
         if n_fp2:
             idx = torch.tensor(self.tables.pages[seq_id], dtype=torch.long, device=self.device)
-            codes = unpack_codes(pages.codes[idx]).transpose(1, 2)  # [pages, P, H, D]
+            codes = pages.load(idx).transpose(1, 2)  # [pages, P, H, D]
             codes = codes.reshape(-1, self.num_kv_heads, self.head_dim)[:n_fp2]
             raw = pages.scales[idx]
             sc = decode_scale(raw, side.scale_dtype).transpose(1, 2)  # [pages, P or P/BS, H, ...]

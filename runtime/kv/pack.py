@@ -56,15 +56,34 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
 # g + 8, of the kernel's output MMA. The same bytes as the token layout, in another order: a token
 # is one byte in each of its quad's words, so a writer stores bytes, never a partial byte.
 
+_QUAD_ORDERS: dict[int, torch.Tensor] = {}  # head dim -> quad_channel_order (lives for the process)
+
 
 def quad_channel_order(head_dim: int) -> torch.Tensor:
     """[D] int64: the channel of byte position (word w, field f) = 4w + f of a quad-layout token."""
     if head_dim % 32:
         raise KVInputError(f"the quad layout needs a head dim divisible by 32, got {head_dim}")
-    w = torch.arange(head_dim // 4)
-    g, k = w // (head_dim // 32), w % (head_dim // 32)
-    f = torch.arange(4)
-    return (32 * k[:, None] + 16 * (f[None] >> 1) + 8 * (f[None] & 1) + g[:, None]).reshape(-1)
+    if head_dim not in _QUAD_ORDERS:
+        w = torch.arange(head_dim // 4)
+        g, k = w // (head_dim // 32), w % (head_dim // 32)
+        f = torch.arange(4)
+        _QUAD_ORDERS[head_dim] = (32 * k[:, None] + 16 * (f[None] >> 1) + 8 * (f[None] & 1) + g[:, None]).reshape(-1)
+    return _QUAD_ORDERS[head_dim]
+
+
+def quad_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] uint8 of one token each -> its bytes [..., D/4] uint8 in the quad layout (byte
+    w goes to byte j = token % 4 of its quad's word w). No host sync: safe inside a graph capture."""
+    D = codes.shape[-1]
+    c = codes[..., constant_on(quad_channel_order(D), codes.device)].unflatten(-1, (D // 4, 4)).long()
+    return (c << constant_on(_FIELD_SHIFTS, c.device)).sum(-1).to(torch.uint8)
+
+
+def quad_byte_view(words: torch.Tensor) -> torch.Tensor:
+    """Quad-layout value pages [NP, H, P, D/16] int32 -> a byte view [NP, H, P/4, D/4, 4]: token t's
+    bytes are [..., t // 4, :, t % 4]."""
+    NP, H, P, W = words.shape
+    return words.view(torch.uint8).view(NP, H, P // 4, 4 * W, 4)
 
 
 def token_to_quad(words: torch.Tensor) -> torch.Tensor:
@@ -72,11 +91,8 @@ def token_to_quad(words: torch.Tensor) -> torch.Tensor:
     *lead, P, W = words.shape
     if P % 4:
         raise KVInputError(f"the quad layout needs pages of a multiple of 4 tokens, got {P}")
-    D = CODES_PER_WORD * W
-    codes = unpack_codes(words)[..., quad_channel_order(D).to(words.device)]  # [..., P, D] byte order
-    f = codes.reshape(*lead, P // 4, 4, D // 4, 4).long()  # [..., quad, token j, word, field]
-    byte = (f << constant_on(_FIELD_SHIFTS, f.device)).sum(-1)  # [..., quad, j, word]
-    return _bytes_to_words(byte.transpose(-1, -2)).reshape(*lead, P, W)  # byte j of each word
+    byte = quad_bytes(unpack_codes(words)).unflatten(-2, (P // 4, 4))  # [..., quad, token j, word]
+    return _bytes_to_words(byte.transpose(-1, -2).long()).reshape(*lead, P, W)
 
 
 def quad_to_token(words: torch.Tensor) -> torch.Tensor:
@@ -88,7 +104,7 @@ def quad_to_token(words: torch.Tensor) -> torch.Tensor:
     f = (byte.transpose(-1, -2)[..., None] >> constant_on(_FIELD_SHIFTS, w.device)) & 3
     ordered = f.reshape(*lead, P, D)  # [..., token, byte position 4w + f]
     codes = torch.empty_like(ordered)
-    codes[..., quad_channel_order(D).to(words.device)] = ordered
+    codes[..., constant_on(quad_channel_order(D), words.device)] = ordered
     return pack_codes(codes.to(torch.uint8), check_range=False)
 
 
