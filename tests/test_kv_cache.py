@@ -430,3 +430,30 @@ def test_gather_batch_equals_per_sequence_gathers(fmt: str) -> None:
         for got, ref in ((k, want[i][0]), (v, want[i][1])):
             assert torch.equal(got[i, :n].float(), ref[:n].float())
             assert not got[i, n:].float().any()  # padding is zero
+
+
+@pytest.mark.parametrize("fmt", ["fp2", "fp2:tail=1,window=8", "fp2:kblk=t32,vblk=c32,scale=e8m0,asym=1,rot=0"])
+def test_value_pages_in_the_quad_layout_hold_the_token_layout_s_codes(fmt: str, monkeypatch) -> None:
+    """Channel-block values are stored in the quad layout (docs/fp2-format.md): the same codes as a
+    cache that keeps the token layout, byte-permuted, and both read back the same."""
+    from zerodram.runtime.kv import fp2_cache
+    from zerodram.runtime.kv.pack import token_to_quad
+
+    quad = _cache(fmt)
+    monkeypatch.setattr(fp2_cache, "value_layout", lambda *a: "token")
+    token = _cache(fmt)
+    assert (quad.v.layout, token.v.layout, quad.k.layout) == ("quad", "token", "token")
+    k, v = _tokens(150, seed=5)
+    for c in (quad, token):
+        s = c.new_sequence()
+        c.append(s, k[:100], v[:100])
+        for i in range(100, 150):  # and token by token (the decode append)
+            c.append_decode([s], k[i : i + 1], v[i : i + 1])
+    assert torch.equal(quad.v.codes, token_to_quad(token.v.codes))
+    assert torch.equal(quad.k.codes, token.k.codes)
+    for a, b in zip(quad.gather(0), token.gather(0), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_token_block_values_keep_the_token_layout() -> None:
+    assert _cache("fp2:vblk=t32").v.layout == "token"
