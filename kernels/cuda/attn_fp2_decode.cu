@@ -143,6 +143,7 @@ ZD_DEVICE int v_channel(int g, int r, int m) {
 }
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
+constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query terms in one IMMA (below)
 #if KEY_S8
 // Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
@@ -152,12 +153,19 @@ ZD_DEVICE int v_channel(int g, int r, int m) {
 // multiplied by the block's key scale / (c * f * 128).
 // Lane t supplies word 4j + t of its rows for k32 steps 2j (codes 0,2,.. / 8,10,..) and 2j + 1
 // (codes 1,3,.. / 9,11,..): k32 step ks, k index kk (0..31) is channel k8_channel(ks, kk).
+// With GROUP <= 4 the two query terms share one IMMA (kPairTerms): columns 0..3 of the B operand
+// are the heads' hi terms, columns 4..7 their lo terms (the padding columns otherwise), so a lane
+// with t < 2 accumulates hi partials of heads 2t, 2t+1 and its partner t + 2 the lo partials of the
+// same heads; each scales its own part and one shuffle adds them. Half the IMMAs, Q registers and
+// integer accumulators; lanes t >= 2 then carry copies of heads 0..3 in the softmax and the output
+// (columns the combine drops, as it dropped the padding heads).
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
+constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
 struct KeyOps {
-  uint32_t qf[KS8][2][2];  // [k32 step][hi, lo][b0, b1]
-  uint32_t table;          // f L0..L3 as int8, bytes 0..3
-  float inv[2];            // 1 / (c_h * f * 128) for this lane's score columns, heads 2t, 2t+1
+  uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (or the lane's column's term)][b0, b1]
+  uint32_t table;              // f L0..L3 as int8, bytes 0..3
+  float inv[2];  // per score column: 1 / (c_h * f * 128) (kPairTerms: times 128 for the hi columns)
 };
 ZD_DEVICE int k8_channel(int ks, int kk) {
   const int t = (kk & 15) >> 2, e = kk & 3, hi = kk >> 4;
@@ -202,31 +210,40 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
       for (int j = 0; j < WPJ; ++j) expand_word_bytes(st->kc[k_word(tok, 4 * j + t)], key.table, a[r][j]);
     }
-    int hi[NBK][4], lo[NBK][4];  // partial dot products per key scale block, per query term
+    int acc[NBK][NTERM][4];  // partial dot products per key scale block and query term
 #pragma unroll
     for (int b = 0; b < NBK; ++b)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) hi[b][c] = lo[b][c] = 0;
+      for (int u = 0; u < NTERM; ++u)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[b][u][c] = 0;
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks) {
       const int j = ks >> 1, o = 2 * (ks & 1), b = 64 * j / K_BLOCK;
-      mma_s8(hi[b], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][0][0], key.qf[ks][0][1]);
-      mma_s8(lo[b], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][1][0], key.qf[ks][1][1]);
+#pragma unroll
+      for (int u = 0; u < NTERM; ++u)
+        mma_s8(acc[b][u], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][u][0], key.qf[ks][u][1]);
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, heads 2t, 2t+1
+    for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
       const uint8_t* sb = st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK;
 #pragma unroll
       for (int b = 0; b < NBK; ++b) {
         const float sc = scale_to_float<SCALE_FMT>(sb[b]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // |hi * 128 + lo| < 2^27: exact in int32, rounded once to fp32 (2^-24 relative)
-          const float v = float(hi[b][2 * r + h] * 128 + lo[b][2 * r + h]);
+          // kPairTerms: this lane's term, exact in fp32 (|partial| < 2^20); else hi * 128 + lo,
+          // |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
+          const float v = kPairTerms ? float(acc[b][0][2 * r + h])
+                                     : float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
           const float sch = sc * key.inv[h];
           sacc[i][2 * r + h] = b ? fmaf(v, sch, sacc[i][2 * r + h]) : v * sch;
         }
       }
+    }
+    if constexpr (kPairTerms) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sacc[i][c] += __shfl_xor_sync(0xffffffffu, sacc[i][c], 2);  // hi + lo
     }
     if constexpr (PARTIAL) {
       const int tok0 = 16 * i + tok_of_row(g), tok1 = 16 * i + tok_of_row(g + 8);
@@ -467,8 +484,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // K order.
   KeyOps key;
   {
-    const __half* qh = q + (size_t(b) * num_q_heads + kvh * GROUP + min(g, GROUP - 1)) * D;
-    const bool live = g < GROUP;
+    // B column g: head g, or with kPairTerms head g % 4's hi (g < 4) or lo (g >= 4) term
+    const int qhead = kPairTerms ? (g & 3) : g;
+    const __half* qh = q + (size_t(b) * num_q_heads + kvh * GROUP + min(qhead, GROUP - 1)) * D;
+    const bool live = qhead < GROUP;
 #if KEY_S8
     float x[KS8][2][4];
     float mx = 0.f;
@@ -491,8 +510,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const bool wide = fmaxf(fabsf(levels[0]), fabsf(levels[3])) >= 2.f;  // f = 32 instead of 64
     const float f = wide ? 32.f : 64.f;
     const float inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c f 128)
-    key.inv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);      // head 2t's lanes: 4 * (2t)
-    key.inv[1] = __shfl_sync(0xffffffffu, inv, 8 * t + 4);  // head 2t + 1
+    // score column 2t + h's head: lanes 4 * head hold its c (kPairTerms: column 2t + h is head
+    // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2)
+    const int col_head = kPairTerms ? 2 * (t & 1) : 2 * t;
+    const float term = kPairTerms && t < 2 ? 128.f : 1.f;
+    key.inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head) * term;
+    key.inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4) * term;
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
@@ -505,8 +528,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           whi |= s8_byte(h) << (8 * e);
           wlo |= s8_byte((v - h) * 128.f) << (8 * e);  // |v - h| <= 1/2: within [-64, 64]
         }
-        key.qf[ks][0][hl] = whi;
-        key.qf[ks][1][hl] = wlo;
+        if constexpr (kPairTerms) {
+          key.qf[ks][0][hl] = g < 4 ? whi : wlo;
+        } else {
+          key.qf[ks][0][hl] = whi;
+          key.qf[ks][NTERM - 1][hl] = wlo;
+        }
       }
     key.table = s8_byte(levels[0] * f) | (s8_byte(levels[1] * f) << 8) | (s8_byte(levels[2] * f) << 16) |
                 (s8_byte(levels[3] * f) << 24);
