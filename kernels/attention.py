@@ -56,7 +56,7 @@ class Fp2KernelConfig:
         keep = {
             "attn_fp2_decode": self.defines().keys(),
             "attn_fp2_merge": ("HEAD_DIM", "GROUP"),
-            "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT"),
+            "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD"),
         }[kernel]
         d = self.defines()
         return BuildOptions.make(arch="sm_90", defines={k: d[k] for k in keep}, extra=("-lineinfo",))

@@ -373,12 +373,13 @@ class Fp2Writer:
     """Quantize stored-space K/V tokens into FP2 pages (the CUDA write kernel, or the reference).
 
     Channel blocks, symmetric, no outliers; rule 'absmax' or 'mse' per side, as runtime/kv's
-    quantizer. Raises ConfigError for a format the kernel does not write.
+    quantizer; value pages in the token or the quad layout (`v_layout`, as `Fp2Layer`). Raises
+    ConfigError for a format the kernel does not write.
     """
 
     def __init__(
         self, *, head_dim: int, k_block: int = 64, v_block: int = 64, scale_dtype: str = "e4m3",
-        k_rule: str = "mse", v_rule: str = "mse", device: torch.device | str = "cpu",
+        k_rule: str = "mse", v_rule: str = "mse", device: torch.device | str = "cpu", v_layout: str = "token",
     ) -> None:  # fmt: skip
         if k_rule not in ("absmax", "mse") or v_rule not in ("absmax", "mse"):
             raise ConfigError(f"the write kernel implements absmax and mse, got {k_rule!r} / {v_rule!r}")
@@ -388,8 +389,10 @@ class Fp2Writer:
             raise ConfigError(
                 f"blocks ({k_block}, {v_block}) must divide a head dim of 64 or 128, got {head_dim}"
             )
+        if v_layout not in ("token", "quad"):
+            raise ConfigError(f"v_layout must be 'token' or 'quad', got {v_layout!r}")
         self.head_dim, self.k_block, self.v_block, self.scale_dtype = head_dim, k_block, v_block, scale_dtype
-        self.rules = (k_rule, v_rule)
+        self.rules, self.v_layout = (k_rule, v_rule), v_layout
         self.device = canonical_device(device)
         self.on_gpu = self.device.type == "cuda"
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
@@ -398,7 +401,8 @@ class Fp2Writer:
         if self.on_gpu:
             from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
 
-            self.kernels = Fp2Kernels(Fp2KernelConfig(head_dim, 1, k_block, v_block, scale_dtype))
+            cfg = Fp2KernelConfig(head_dim, 1, k_block, v_block, scale_dtype, v_quad=v_layout == "quad")
+            self.kernels = Fp2Kernels(cfg)
             _ = self.kernels._write
 
     def write(
@@ -415,8 +419,8 @@ class Fp2Writer:
         _expect(y, "y", torch.float32, (N, Hkv, 2, self.head_dim), self.device)
         _expect(seq_idx, "seq_idx", torch.int32, (N,), self.device)
         _expect(fp2_idx, "fp2_idx", torch.int32, (N,), self.device)
-        if layer.v_layout != "token":
-            raise KVInputError(f"the writer stores value pages in the token layout, not {layer.v_layout!r}")
+        if layer.v_layout != self.v_layout:
+            raise KVInputError(f"value pages in the {layer.v_layout!r} layout, the writer stores {self.v_layout!r}")
         if self.on_gpu:
             rules = int(self.rules[0] == "mse") | (int(self.rules[1] == "mse") << 1)
             self.kernels.write(
@@ -424,7 +428,7 @@ class Fp2Writer:
                 layer.v_scales, layer.levels, self.fracs, rules,
             )  # fmt: skip
             return
-        from zerodram.runtime.kv.pack import pack_codes
+        from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes
         from zerodram.runtime.kv.quantize import quantize_blocks
         from zerodram.runtime.kv.scales import encode_scale
 
@@ -438,7 +442,10 @@ class Fp2Writer:
             codes, scales, _ = quantize_blocks(
                 yb, layer.levels[4 * side : 4 * side + 4], rule=self.rules[side], scale_dtype=self.scale_dtype
             )
-            codes_t[page, :, slot] = pack_codes(codes.reshape(N, Hkv, D))
+            if side == 1 and self.v_layout == "quad":
+                quad_byte_view(codes_t)[page, :, slot // 4, :, slot % 4] = quad_bytes(codes.reshape(N, Hkv, D))
+            else:
+                codes_t[page, :, slot] = pack_codes(codes.reshape(N, Hkv, D))
             scales_t[page, :, slot] = encode_scale(scales, self.scale_dtype)
 
 

@@ -146,11 +146,13 @@ def test_reference_reads_quad_value_pages() -> None:
     with pytest.raises(KVInputError, match="quad"):
         _module("cpu")(q, quad, batch)  # the module reads the token layout
     assert _module("cpu", v_layout="quad")(q, quad, batch).shape == (3, 8, 128)
-    with pytest.raises(KVInputError, match="token layout"):
-        Fp2Writer(head_dim=128).write(
-            torch.zeros(1, 2, 2, 128), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-            quad, batch.block_table,
-        )  # fmt: skip
+    y = torch.randn(5, 2, 2, 128, generator=g)
+    f, s = torch.tensor([0, 1, 2, 67, 127], dtype=torch.int32), torch.tensor([0, 0, 0, 2, 2], dtype=torch.int32)
+    with pytest.raises(KVInputError, match="quad"):
+        Fp2Writer(head_dim=128).write(y, s, f, quad, batch.block_table)  # the writer stores the token layout
+    Fp2Writer(head_dim=128).write(y, s, f, layer, batch.block_table)
+    Fp2Writer(head_dim=128, v_layout="quad").write(y, s, f, quad, batch.block_table)
+    assert torch.equal(quad.v_codes, token_to_quad(layer.v_codes))  # the same codes, byte-permuted
     with pytest.raises(ConfigError, match="16 channels"):
         _module("cpu", D=64, k_block=16, v_block=8, v_layout="quad")
 
@@ -468,9 +470,10 @@ def test_gpu_decode_under_cuda_graph() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v_layout", ["token", "quad"])
 @pytest.mark.parametrize(
     ("rule", "scale", "block"),
-    # 16: half the lanes hold no channel; 128: four channels per lane
+    # 16: half the lanes hold no channel (and a quad byte spans two blocks); 128: four channels per lane
     [
         ("absmax", "e4m3", 64),
         ("mse", "e4m3", 64),
@@ -479,12 +482,13 @@ def test_gpu_decode_under_cuda_graph() -> None:
         ("mse", "e4m3", 128),
     ],
 )
-def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int) -> None:
+def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int, v_layout: str) -> None:
     D, Hkv, P, N, dev = 128, 4, 64, 512, "cuda"
     gdev = torch.Generator(device=dev).manual_seed(5)
     layer = random_fp2_layer(
-        16, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev
-    )
+        16, Hkv, P, D, k_block=block, v_block=block, scale_dtype=scale, device=dev, generator=gdev,
+        v_layout=v_layout,
+    )  # fmt: skip
     batch = random_decode_batch([1000], [0], 16, Hkv, P, D, device=dev, generator=gdev)
     y = (
         torch.randn(N, Hkv, 2, D, device=dev, generator=gdev)
@@ -500,13 +504,15 @@ def test_gpu_write_matches_cpu_quantizer(rule: str, scale: str, block: int) -> N
         "scale_dtype": scale,
         "k_rule": rule,
         "v_rule": rule,
+        "v_layout": v_layout,
     }
     Fp2Writer(device=dev, **kw).write(y, s, f, layer, batch.block_table)
     cpu = type(layer)(
         *(
             t.cpu().clone()
             for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales, layer.levels)
-        )
+        ),
+        v_layout=layer.v_layout,
     )
     Fp2Writer(device="cpu", **kw).write(y.cpu(), s.cpu(), f.cpu(), cpu, batch.block_table.cpu())
     for gpu_t, cpu_t in ((layer.k_scales, cpu.k_scales), (layer.v_scales, cpu.v_scales)):

@@ -32,6 +32,9 @@
 #ifndef NUM_CAND
 #define NUM_CAND 33
 #endif
+#ifndef V_QUAD
+#define V_QUAD 0  // 1: value pages in the quad layout (runtime/kv/pack.py)
+#endif
 
 namespace {
 constexpr int D = HEAD_DIM;
@@ -130,12 +133,31 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   uint8_t* scales = side == 0 ? k_scales : v_scales;
   const long long sp = side == 0 ? ks_page_stride : vs_page_stride;
   const long long sh = side == 0 ? ks_head_stride : vs_head_stride;
-  uint32_t* wdst = codes + page * code_page_stride + kvh * code_head_stride + (long long)j * (D / 16) + warp * (bs / 16);
-  for (int w = lane; w < bs / 16; w += 32) {
-    uint32_t word = 0;
+  if (V_QUAD && side == 1) {
+    // Quad layout: byte j % 4 of the quad's word w = g * D/32 + k holds channels 32k + 8f + g
+    // (field f), which may lie in two blocks (16-channel blocks): the side's warps meet at a named
+    // barrier (the other warps have left) and share the block codes in `cs`.
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * nb) : "memory");
+    uint8_t* qb = reinterpret_cast<uint8_t*>(codes + page * code_page_stride + kvh * code_head_stride +
+                                             (long long)(j & ~3) * (D / 16));
+    for (int w = threadIdx.x; w < D / 4; w += 32 * nb) {
+      const int g = w / (D / 32), k = w % (D / 32);
+      uint32_t byte = 0;
 #pragma unroll
-    for (int e = 0; e < 16; ++e) word |= uint32_t(cs[warp][16 * w + e]) << (2 * e);
-    wdst[w] = word;
+      for (int f = 0; f < 4; ++f) {
+        const int ch = 32 * k + 8 * f + g;
+        byte |= uint32_t(cs[ch / bs][ch % bs]) << (2 * f);
+      }
+      qb[4 * w + (j & 3)] = uint8_t(byte);
+    }
+  } else {
+    uint32_t* wdst = codes + page * code_page_stride + kvh * code_head_stride + (long long)j * (D / 16) + warp * (bs / 16);
+    for (int w = lane; w < bs / 16; w += 32) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) word |= uint32_t(cs[warp][16 * w + e]) << (2 * e);
+      wdst[w] = word;
+    }
   }
   if (lane == 0) scales[page * sp + kvh * sh + (long long)j * nb + warp] = uint8_t(zd::encode_scale<SCALE_FMT>(scale));
 }
