@@ -27,6 +27,7 @@ import torch
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError, expect_tensor
+from zerodram.runtime.kv.pack import quad_to_token, unpack_codes
 
 LOG2E = 1.4426950408889634
 
@@ -38,8 +39,9 @@ class Fp2Layer:
     k_codes / v_codes: [NP, Hkv, P, D/16] int32 code words (bit pattern = uint32).
     k_scales / v_scales: [NP, Hkv, P, NBK] / [NP, Hkv, P, NBV] uint8 (E4M3 or E8M0 bytes).
     levels: [8] fp32, the 4 key levels then the 4 value levels (sorted, e5m2-exact).
-    v_layout: "token" (each token's D/16 words in a row, as the cache writes them) or "quad" (the
-        words of 4 tokens interleaved by byte: runtime/kv/pack.py, `token_to_quad`).
+    v_layout: "token" (each token's D/16 words in a row) or "quad" (the words of 4 tokens
+        interleaved by byte: runtime/kv/pack.py; what the cache writes for the formats the kernels
+        read, `runtime/kv/fp2_cache.value_layout`).
     """
 
     k_codes: torch.Tensor
@@ -94,7 +96,6 @@ def dequantize_pages(
     codes: torch.Tensor, scales_raw: torch.Tensor, levels: torch.Tensor, scale_dtype: str
 ) -> torch.Tensor:
     """codes [..., D/16] int32, scales [..., NB] uint8 -> values [..., D] fp32 (levels [4])."""
-    from zerodram.runtime.kv.pack import unpack_codes
     from zerodram.runtime.kv.scales import decode_scale
 
     c = unpack_codes(codes).long()  # [..., D]
@@ -121,11 +122,7 @@ def reference_decode(
         if n:
             kc = layer.k_codes[pages].transpose(0, 1).flatten(1, 2)[:, :n]  # [Hkv, n, D/16]
             vp = layer.v_codes[pages]
-            if layer.v_layout == "quad":
-                from zerodram.runtime.kv.pack import quad_to_token
-
-                vp = quad_to_token(vp)
-            vc = vp.transpose(0, 1).flatten(1, 2)[:, :n]
+            vc = (quad_to_token(vp) if layer.v_layout == "quad" else vp).transpose(0, 1).flatten(1, 2)[:, :n]
             ksc = layer.k_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             vsc = layer.v_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             ks.append(dequantize_pages(kc, ksc, layer.levels[:4], scale_dtype))
@@ -328,6 +325,12 @@ class Fp2DecodeAttention:
             raise KVInputError(
                 f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
                 f"{lv[:4].tolist()}; build the attention with key_s8=False"
+            )
+        if self.v_layout == "quad" and self.scale_dtype == "e8m0" and int(layer.v_scales.max()) > 127 + 8:
+            # the quad path multiplies P (<= 2^7) by the value scale in fp16 and clamps E8M0 to 2^8
+            raise KVInputError(
+                f"an E8M0 value scale of 2^{int(layer.v_scales.max()) - 127} exceeds the quad kernel's 2^8 "
+                "(value blocks beyond 256 times the largest level in the unit-RMS stored space)"
             )
         table = batch.block_table.cpu()
         for b, n in enumerate(lens.tolist()):

@@ -44,9 +44,10 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
      Fp2KernelConfig(128, 1, 128, 64, "e4m3", min_blocks=4, key_s8=True),
      Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True),
      Fp2KernelConfig(64, 8, 32, 16, "e8m0", v_quad=True), Fp2KernelConfig(128, 2, 64, 128, "e4m3", v_quad=True)],
-    ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}{c.scale_dtype}m{c.min_blocks}",
+    ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}v{c.v_block}{c.scale_dtype}m{c.min_blocks}"
+    + ("s8" if c.key_s8 else "") + ("quad" if c.v_quad else ""),
 )  # fmt: skip
-def test_int8_key_variant_compiles_for_sm90(cfg: Fp2KernelConfig) -> None:
+def test_decode_variants_compile_for_sm90(cfg: Fp2KernelConfig) -> None:
     assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
 
 
@@ -157,6 +158,20 @@ def test_reference_reads_quad_value_pages() -> None:
         _module("cpu", D=64, k_block=16, v_block=8, v_layout="quad")
 
 
+def test_quad_layout_refuses_e8m0_value_scales_the_kernel_would_clip() -> None:
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(4)
+    layer = replace(random_fp2_layer(4, 2, 64, 128, scale_dtype="e8m0", generator=g), v_layout="quad")
+    batch = random_decode_batch([70, 100], [3, 0], 4, 2, 64, 128, generator=g)
+    att = _module("cpu", scale_dtype="e8m0", v_layout="quad")
+    layer.v_scales[1, 0, 5, 1] = 127 + 8  # 2^8: the largest the kernel keeps
+    att.check_tables(layer, batch)
+    layer.v_scales[1, 0, 5, 1] = 127 + 9
+    with pytest.raises(KVInputError, match="2\\^9"):
+        att.check_tables(layer, batch)
+
+
 def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
     from zerodram.runtime.kv.levels import named_levels
     from zerodram.runtime.kv.quantize import dequantize_blocks, quantize_blocks
@@ -257,6 +272,9 @@ GPU_CASES = [
     (64, 1, 2, "e8m0", 64, 3000),
     (64, 8, 2, "e4m3", 32, 3000),
     (128, 4, 2, "e8m0", 32, 3000),
+    (128, 2, 4, "e4m3", 64, 3000),  # paired query terms with padding heads
+    (64, 3, 3, "e4m3", 64, 3000),  # SmolLM2's group and head dim
+    (64, 4, 2, "e4m3", 16, 3000),  # 4 value blocks per token: four scaled copies of P
 ]
 
 

@@ -432,7 +432,7 @@ def test_gather_batch_equals_per_sequence_gathers(fmt: str) -> None:
             assert not got[i, n:].float().any()  # padding is zero
 
 
-@pytest.mark.parametrize("fmt", ["fp2", "fp2:tail=1,window=8", "fp2:kblk=t32,vblk=c32,scale=e8m0,asym=1,rot=0"])
+@pytest.mark.parametrize("fmt", ["fp2", "fp2:tail=1,window=8", "fp2:kblk=t32,vblk=c32,scale=e8m0,rot=0"])
 def test_value_pages_in_the_quad_layout_hold_the_token_layout_s_codes(fmt: str, monkeypatch) -> None:
     """Channel-block values are stored in the quad layout (docs/fp2-format.md): the same codes as a
     cache that keeps the token layout, byte-permuted, and both read back the same."""
@@ -455,5 +455,6 @@ def test_value_pages_in_the_quad_layout_hold_the_token_layout_s_codes(fmt: str, 
         assert torch.equal(a, b)
 
 
-def test_token_block_values_keep_the_token_layout() -> None:
-    assert _cache("fp2:vblk=t32").v.layout == "token"
+def test_values_no_kernel_reads_keep_the_token_layout() -> None:
+    for fmt in ("fp2:vblk=t32", "fp2:asym=1", "fp2:scale=bf16", "fp2:vcenter=1", "fp2:vblk=c8"):
+        assert _cache(fmt).v.layout == "token", fmt

@@ -21,7 +21,7 @@ from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
-from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes, quad_to_token, unpack_codes
+from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes, unpack_codes, unpack_quad
 from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
@@ -36,9 +36,15 @@ from zerodram.runtime.kv.scales import decode_scale, encode_scale
 
 
 def value_layout(side: Fp2TensorSpec, head_dim: int, page_size: int) -> str:
-    """The value pages' layout: "quad" where the decode kernel folds the value scales into P (channel
-    blocks of at least 16 channels, a head dim of 32s, pages of 4s), else "token"."""
-    quad = side.block_axis == "channel" and side.block_size >= 16 and head_dim % 32 == 0 and page_size % 4 == 0
+    """The value pages' layout: "quad" where the decode kernel reads values and folds their scales
+    into P (symmetric channel blocks of at least 16 channels, e4m3/e8m0 scales, no center, a head
+    dim of 32s, pages of 4s), else "token" (formats only the gather path reads, which unpacks the
+    token layout fastest)."""
+    kernel = (
+        side.block_axis == "channel" and not side.asymmetric and not side.center
+        and side.scale_dtype in ("e4m3", "e8m0")
+    )  # fmt: skip
+    quad = kernel and side.block_size >= 16 and head_dim % 32 == 0 and page_size % 4 == 0
     return "quad" if quad else "token"
 
 
@@ -56,25 +62,35 @@ class _SidePages:
         self.codes = torch.zeros(
             num_pages, H, P, D // 16, dtype=torch.int32, device=device
         )  # [pages, H, P, D/16]
-        self._bytes = quad_byte_view(self.codes) if layout == "quad" else None  # [pages, H, P/4, D/4, 4]
+        # The layout's store and load, chosen once: a token's D/16 words in a row, or its byte of
+        # each of its quad's words (through the byte view [pages, H, P/4, D/4, 4]).
+        if layout == "quad":
+            self._bytes = quad_byte_view(self.codes)
+            self.store, self._unpack = self._store_quad, unpack_quad
+        else:
+            self.store, self._unpack = self._store_token, unpack_codes
         sshape = (num_pages, H, P, D // bs) if side.block_axis == "channel" else (num_pages, H, P // bs, D)
         sdt = {"e4m3": torch.uint8, "e8m0": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
         self.scales = torch.zeros(sshape, dtype=sdt[side.scale_dtype], device=device)
         self.offsets = torch.zeros(sshape, dtype=torch.bfloat16, device=device) if side.asymmetric else None
 
-    def store(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
-        """codes [N, H, D] uint8 to page row row[i] of page page[i] (page, row: [N] int64)."""
-        if self._bytes is None:
-            self.codes[page, :, row] = pack_codes(codes, check_range=check_range)  # [N, H, D/16]
-        else:
-            if check_range and (codes.dtype != torch.uint8 or (codes.numel() and int(codes.max()) > 3)):
-                raise KVInputError(f"codes must be uint8 in [0, 3], got {codes.dtype}, max {int(codes.max())}")
-            self._bytes[page, :, torch.div(row, 4, rounding_mode="floor"), :, row % 4] = quad_bytes(codes)
+    # store(page, row, codes, check_range=...): codes [N, H, D] uint8 to page row row[i] of page
+    # page[i] (page, row: [N] int64); check_range reads the codes' max back (a host sync), as
+    # `pack_codes` does, so pass False inside a CUDA-graph capture.
+
+    def _store_token(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
+        self.codes[page, :, row] = pack_codes(codes, check_range=check_range)  # [N, H, D/16]
+
+    def _store_quad(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
+        if codes.dtype != torch.uint8:
+            raise KVInputError(f"codes must be uint8, got {codes.dtype}")
+        if check_range and codes.numel() and int(codes.max()) > 3:
+            raise KVInputError(f"codes must be in [0, 3], found {int(codes.max())}")
+        self._bytes[page, :, torch.div(row, 4, rounding_mode="floor"), :, row % 4] = quad_bytes(codes)
 
     def load(self, pages: torch.Tensor) -> torch.Tensor:
-        """The codes of whole pages [n] -> [n, H, P, D] uint8, in token order."""
-        words = self.codes[pages]
-        return unpack_codes(words if self._bytes is None else quad_to_token(words))
+        """The codes of whole pages [n] -> [n, H, P, D] uint8, in token and channel order."""
+        return self._unpack(self.codes[pages])
 
     def copy(self, src: int, dst: int) -> None:
         self.codes[dst] = self.codes[src]

@@ -1,7 +1,8 @@
 """Packing of 2-bit codes: 16 codes per 32-bit word, element j of a 16-group at bits [2j, 2j+1].
 
 The word is stored as int32 (torch has no uint32 arithmetic on every device); its bit pattern is
-the uint32 of docs/fp2-format.md.
+the uint32 of docs/fp2-format.md. Pages hold a token's words in a row (the token layout) or, for
+values, four tokens' words interleaved by byte (the quad layout, below).
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ _QUAD_ORDERS: dict[int, torch.Tensor] = {}  # head dim -> quad_channel_order (li
 
 
 def quad_channel_order(head_dim: int) -> torch.Tensor:
-    """[D] int64: the channel of byte position (word w, field f) = 4w + f of a quad-layout token."""
+    """[D] int64: the channel of byte position (word w, field f) = 4w + f of a quad-layout token.
+
+    Raises:
+        KVInputError: a head dim not divisible by 32.
+    """
     if head_dim % 32:
         raise KVInputError(f"the quad layout needs a head dim divisible by 32, got {head_dim}")
     if head_dim not in _QUAD_ORDERS:
@@ -81,31 +86,53 @@ def quad_bytes(codes: torch.Tensor) -> torch.Tensor:
 
 def quad_byte_view(words: torch.Tensor) -> torch.Tensor:
     """Quad-layout value pages [NP, H, P, D/16] int32 -> a byte view [NP, H, P/4, D/4, 4]: token t's
-    bytes are [..., t // 4, :, t % 4]."""
+    bytes are [..., t // 4, :, t % 4].
+
+    Raises:
+        KVInputError: pages of a token count not divisible by 4.
+    """
     NP, H, P, W = words.shape
+    _check_quads(P)
     return words.view(torch.uint8).view(NP, H, P // 4, 4 * W, 4)
 
 
 def token_to_quad(words: torch.Tensor) -> torch.Tensor:
-    """Value pages [..., P, D/16] int32 in the token layout -> the same pages in the quad layout."""
+    """Value pages [..., P, D/16] int32 in the token layout -> the same pages in the quad layout.
+
+    Raises:
+        KVInputError: P not divisible by 4, or a head dim not divisible by 32.
+    """
     *lead, P, W = words.shape
-    if P % 4:
-        raise KVInputError(f"the quad layout needs pages of a multiple of 4 tokens, got {P}")
+    _check_quads(P)
     byte = quad_bytes(unpack_codes(words)).unflatten(-2, (P // 4, 4))  # [..., quad, token j, word]
     return _bytes_to_words(byte.transpose(-1, -2).long()).reshape(*lead, P, W)
 
 
-def quad_to_token(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of `token_to_quad`: quad-layout value pages [..., P, D/16] -> the token layout."""
+def unpack_quad(words: torch.Tensor) -> torch.Tensor:
+    """Quad-layout value pages [..., P, D/16] int32 -> codes [..., P, D] uint8 in token and channel
+    order (what `unpack_codes` gives for the token layout).
+
+    Raises:
+        KVInputError: P not divisible by 4, or a head dim not divisible by 32.
+    """
     *lead, P, W = words.shape
+    _check_quads(P)
     D = CODES_PER_WORD * W
-    w = (words.long() & 0xFFFFFFFF).reshape(*lead, P // 4, D // 4, 1)
-    byte = (w >> constant_on(_BYTE_SHIFTS, w.device)) & 0xFF  # [..., quad, word, token j]
-    f = (byte.transpose(-1, -2)[..., None] >> constant_on(_FIELD_SHIFTS, w.device)) & 3
-    ordered = f.reshape(*lead, P, D)  # [..., token, byte position 4w + f]
+    fields = unpack_codes(words).reshape(*lead, P // 4, D // 4, 4, 4)  # [..., quad, word, token j, field]
+    ordered = fields.transpose(-3, -2).reshape(*lead, P, D)  # [..., token, byte position 4w + f]
     codes = torch.empty_like(ordered)
     codes[..., constant_on(quad_channel_order(D), words.device)] = ordered
-    return pack_codes(codes.to(torch.uint8), check_range=False)
+    return codes
+
+
+def quad_to_token(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `token_to_quad`: quad-layout value pages [..., P, D/16] -> the token layout."""
+    return pack_codes(unpack_quad(words), check_range=False)
+
+
+def _check_quads(page_size: int) -> None:
+    if page_size % 4:
+        raise KVInputError(f"the quad layout needs pages of a multiple of 4 tokens, got {page_size}")
 
 
 def _bytes_to_words(byte: torch.Tensor) -> torch.Tensor:
