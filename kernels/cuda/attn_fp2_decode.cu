@@ -22,9 +22,10 @@
 // Element order inside an MMA is free as long as both operands agree: K channels are permuted so
 // that each lane's 32 (D=128) or 16 (D=64) channels of a token are whole code words of one scale
 // block (one scaled lookup table per lane and token); Q is loaded in the same order. Token order
-// in a 16-token tile is permuted (kTokOfPos) so that the shared-memory reads of both K (8-byte)
-// and V (4-byte) rows are free of bank conflicts. V channels land in a known permuted order that
-// the epilogue undoes. See docs/fp2-kernel.md.
+// in a 16-token tile is permuted (tok_of_row) so that the shared-memory reads of K and V are free
+// of bank conflicts: by position alone for token-layout values, with the chunks of the stage's runs
+// permuted for quad-layout values (V_QUAD: one 16-byte V load per tile, value scales on P^T). V
+// channels land in a known permuted order that the epilogue undoes. See docs/fp2-kernel.md.
 #include "attn_fp2_common.cuh"
 
 #ifndef HEAD_DIM
@@ -85,8 +86,8 @@ static_assert(!V_QUAD || V_BLOCK >= 16, "the quad value layout needs value block
 static_assert(TOK * NBK % 16 == 0 && TOK * NBV % 16 == 0, "scale rows of a stage copy in 16 B");
 
 struct __align__(16) Stage {
-  uint32_t kc[TOK * WPR];  // [TOK, D/16] key code words, token-major as in the page
-  uint32_t vc[TOK * WPR];
+  uint32_t kc[TOK * WPR];  // [TOK, D/16] key code words, token-major (V_QUAD: chunks by k_chunk)
+  uint32_t vc[TOK * WPR];  // value code words as in the page (V_QUAD: quads, chunks by v_chunk)
   uint8_t ks[TOK * NBK];  // [TOK, NBK] key scale bytes
   uint8_t vs[TOK * NBV];
 };
@@ -291,7 +292,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // stays small in fp16 (P) and fp32 (sums), not to be the exact max. While no score of the stage
   // exceeds m + kRescaleSlack (one vote, no shuffles), m is kept and nothing is rescaled; the
   // exact max over the warp (a 3-level shuffle chain, the longest dependency of a stage) is taken
-  // only when some score does, which after the first stages is rare. P <= 2^8 fits fp16 easily.
+  // only when some score does, which after the first stages is rare. P <= 2^8 (2^7) fits fp16 easily.
   // V_QUAD: 7, so that P^T times a value scale (<= 448) stays inside fp16 (2^7 * 448 < 65504).
   constexpr float kRescaleSlack = V_QUAD ? 7.f : 8.f;
   float mx[2] = {sm.m[0], sm.m[1]};
@@ -480,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int g = lane >> 2, t = lane & 3;
   Stage* ring = reinterpret_cast<Stage*>(smem_raw) + warp * STAGES;
 
-  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros), channels in the permuted
+  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels in the permuted
   // K order.
   KeyOps key;
   {
