@@ -27,7 +27,7 @@ import torch
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError, expect_tensor
-from zerodram.runtime.kv.pack import quad_to_token, unpack_codes
+from zerodram.runtime.kv.pack import CodeLayout, quad_to_token, unpack_codes
 
 LOG2E = 1.4426950408889634
 
@@ -49,7 +49,7 @@ class Fp2Layer:
     v_codes: torch.Tensor
     v_scales: torch.Tensor
     levels: torch.Tensor
-    v_layout: str = "token"
+    v_layout: CodeLayout = "token"
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class Fp2DecodeAttention:
         stages: int = 4,
         min_blocks: int = 1,
         key_s8: bool | None = None,
-        v_layout: str = "token",
+        v_layout: CodeLayout = "token",
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -382,7 +382,7 @@ class Fp2Writer:
 
     def __init__(
         self, *, head_dim: int, k_block: int = 64, v_block: int = 64, scale_dtype: str = "e4m3",
-        k_rule: str = "mse", v_rule: str = "mse", device: torch.device | str = "cpu", v_layout: str = "token",
+        k_rule: str = "mse", v_rule: str = "mse", device: torch.device | str = "cpu", v_layout: CodeLayout = "token",
     ) -> None:  # fmt: skip
         if k_rule not in ("absmax", "mse") or v_rule not in ("absmax", "mse"):
             raise ConfigError(f"the write kernel implements absmax and mse, got {k_rule!r} / {v_rule!r}")
@@ -455,7 +455,7 @@ class Fp2Writer:
 def random_fp2_layer(
     num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, *, k_block: int = 64, v_block: int = 64,
     scale_dtype: str = "e4m3", device: torch.device | str = "cpu", generator: torch.Generator | None = None,
-    v_layout: str = "token",
+    v_layout: CodeLayout = "token",
 ) -> Fp2Layer:  # fmt: skip
     """Random (never zero) FP2 pools for tests and benchmarks: uniform codes, scales in [1/4, 4].
 

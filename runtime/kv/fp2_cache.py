@@ -21,7 +21,14 @@ from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
-from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes, unpack_codes, unpack_quad
+from zerodram.runtime.kv.pack import (
+    CodeLayout,
+    pack_codes,
+    quad_byte_view,
+    quad_bytes,
+    unpack_codes,
+    unpack_quad,
+)
 from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
@@ -35,7 +42,7 @@ from zerodram.runtime.kv.quantize import (
 from zerodram.runtime.kv.scales import decode_scale, encode_scale
 
 
-def value_layout(side: Fp2TensorSpec, head_dim: int, page_size: int) -> str:
+def value_layout(side: Fp2TensorSpec, head_dim: int, page_size: int) -> CodeLayout:
     """The value pages' layout: "quad" where the decode kernel reads values and folds their scales
     into P (symmetric channel blocks of at least 16 channels, e4m3/e8m0 scales, no center, a head
     dim of 32s, pages of 4s), else "token" (formats only the gather path reads, which unpacks the
@@ -56,7 +63,7 @@ class _SidePages:
     layout wherever the decode kernel can fold their scales: runtime/kv/pack.py).
     """
 
-    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device, layout: str) -> None:
+    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device, layout: CodeLayout) -> None:
         self.side, self.layout = side, layout
         bs = side.block_size
         self.codes = torch.zeros(

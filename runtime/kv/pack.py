@@ -7,6 +7,8 @@ values, four tokens' words interleaved by byte (the quad layout, below).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from zerodram.runtime.device import constant_on
@@ -57,6 +59,7 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
 # g + 8, of the kernel's output MMA. The same bytes as the token layout, in another order: a token
 # is one byte in each of its quad's words, so a writer stores bytes, never a partial byte.
 
+CodeLayout = Literal["token", "quad"]  # how a page's words hold its tokens (docs/fp2-format.md)
 _QUAD_ORDERS: dict[int, torch.Tensor] = {}  # head dim -> quad_channel_order (lives for the process)
 
 
