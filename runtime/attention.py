@@ -326,12 +326,14 @@ class Fp2DecodeAttention:
                 f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
                 f"{lv[:4].tolist()}; build the attention with key_s8=False"
             )
-        if self.v_layout == "quad" and self.scale_dtype == "e8m0" and int(layer.v_scales.max()) > 127 + 8:
+        if self.v_layout == "quad" and self.scale_dtype == "e8m0":
             # the quad path multiplies P (<= 2^7) by the value scale in fp16 and clamps E8M0 to 2^8
-            raise KVInputError(
-                f"an E8M0 value scale of 2^{int(layer.v_scales.max()) - 127} exceeds the quad kernel's 2^8 "
-                "(value blocks beyond 256 times the largest level in the unit-RMS stored space)"
-            )
+            top = int(layer.v_scales.max()) - 127
+            if top > 8:
+                raise KVInputError(
+                    f"an E8M0 value scale of 2^{top} exceeds the quad kernel's 2^8 "
+                    "(value blocks beyond 256 times the largest level in the unit-RMS stored space)"
+                )
         table = batch.block_table.cpu()
         for b, n in enumerate(lens.tolist()):
             used = table[b, : (n + P - 1) // P]
@@ -431,7 +433,7 @@ class Fp2Writer:
                 layer.v_scales, layer.levels, self.fracs, rules,
             )  # fmt: skip
             return
-        from zerodram.runtime.kv.pack import pack_codes, quad_byte_view, quad_bytes
+        from zerodram.runtime.kv.pack import pack_codes, store_quad_rows
         from zerodram.runtime.kv.quantize import quantize_blocks
         from zerodram.runtime.kv.scales import encode_scale
 
@@ -446,7 +448,7 @@ class Fp2Writer:
                 yb, layer.levels[4 * side : 4 * side + 4], rule=self.rules[side], scale_dtype=self.scale_dtype
             )
             if side == 1 and self.v_layout == "quad":
-                quad_byte_view(codes_t)[page, :, slot // 4, :, slot % 4] = quad_bytes(codes.reshape(N, Hkv, D))
+                store_quad_rows(codes_t, page, slot, codes.reshape(N, Hkv, D))
             else:
                 codes_t[page, :, slot] = pack_codes(codes.reshape(N, Hkv, D))
             scales_t[page, :, slot] = encode_scale(scales, self.scale_dtype)

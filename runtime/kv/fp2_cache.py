@@ -19,16 +19,8 @@ from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.cache import KVCache
-from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
-from zerodram.runtime.kv.pack import (
-    CodeLayout,
-    pack_codes,
-    quad_byte_view,
-    quad_bytes,
-    unpack_codes,
-    unpack_quad,
-)
+from zerodram.runtime.kv.pack import CodeLayout, pack_codes, store_quad_rows, unpack_codes, unpack_quad
 from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
@@ -70,9 +62,8 @@ class _SidePages:
             num_pages, H, P, D // 16, dtype=torch.int32, device=device
         )  # [pages, H, P, D/16]
         # The layout's store and load, chosen once: a token's D/16 words in a row, or its byte of
-        # each of its quad's words (through the byte view [pages, H, P/4, D/4, 4]).
+        # each of its quad's words.
         if layout == "quad":
-            self._bytes = quad_byte_view(self.codes)
             self.store, self._unpack = self._store_quad, unpack_quad
         else:
             self.store, self._unpack = self._store_token, unpack_codes
@@ -89,11 +80,7 @@ class _SidePages:
         self.codes[page, :, row] = pack_codes(codes, check_range=check_range)  # [N, H, D/16]
 
     def _store_quad(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
-        if codes.dtype != torch.uint8:
-            raise KVInputError(f"codes must be uint8, got {codes.dtype}")
-        if check_range and codes.numel() and int(codes.max()) > 3:
-            raise KVInputError(f"codes must be in [0, 3], found {int(codes.max())}")
-        self._bytes[page, :, torch.div(row, 4, rounding_mode="floor"), :, row % 4] = quad_bytes(codes)
+        store_quad_rows(self.codes, page, row, codes, check_range=check_range)
 
     def load(self, pages: torch.Tensor) -> torch.Tensor:
         """The codes of whole pages [n] -> [n, H, P, D] uint8, in token and channel order."""

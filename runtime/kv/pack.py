@@ -29,15 +29,19 @@ def pack_codes(codes: torch.Tensor, *, check_range: bool = True) -> torch.Tensor
     Raises:
         KVInputError: last dim not a multiple of 16, wrong dtype, or (checked) a code above 3.
     """
+    _check_codes(codes, check_range)
+    c = codes.reshape(*codes.shape[:-1], -1, CODES_PER_WORD).long()
+    words = (c << constant_on(_SHIFTS, c.device)).sum(-1)  # disjoint bits: sum == or
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _check_codes(codes: torch.Tensor, check_range: bool) -> None:
     if codes.dtype != torch.uint8:
         raise KVInputError(f"codes must be uint8, got {codes.dtype}")
     if codes.shape[-1] % CODES_PER_WORD:
         raise KVInputError(f"last dim {codes.shape[-1]} is not a multiple of {CODES_PER_WORD}")
     if check_range and codes.numel() and int(codes.max()) > 3:
         raise KVInputError(f"codes must be in [0, 3], found {int(codes.max())}")
-    c = codes.reshape(*codes.shape[:-1], -1, CODES_PER_WORD).long()
-    words = (c << constant_on(_SHIFTS, c.device)).sum(-1)  # disjoint bits: sum == or
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack_codes(words: torch.Tensor) -> torch.Tensor:
@@ -55,8 +59,8 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
 # (docs/fp2-kernel.md, "Quad value layout"). In the quad layout the [P, D/16] words of a (page,
 # KV head) are P/4 quads of D/4 words; byte j of a quad's word holds token 4q + j, its four 2-bit
 # fields (bits 2f, 2f+1) four channels. Word w = g * D/32 + k (g in 0..7, k in 0..D/32-1), field f
-# holds channel 32k + 16(f >> 1) + 8(f & 1) + g: M-tiles 2k and 2k+1 (16 channels each), rows g and
-# g + 8, of the kernel's output MMA. The same bytes as the token layout, in another order: a token
+# holds channel 32k + 8f + g: rows g and g + 8 of M-tiles 2k and 2k+1 (16 channels each) of the
+# kernel's output MMA. The same bytes as the token layout, in another order: a token
 # is one byte in each of its quad's words, so a writer stores bytes, never a partial byte.
 
 CodeLayout = Literal["token", "quad"]  # how a page's words hold its tokens (docs/fp2-format.md)
@@ -75,7 +79,7 @@ def quad_channel_order(head_dim: int) -> torch.Tensor:
         w = torch.arange(head_dim // 4)
         g, k = w // (head_dim // 32), w % (head_dim // 32)
         f = torch.arange(4)
-        _QUAD_ORDERS[head_dim] = (32 * k[:, None] + 16 * (f[None] >> 1) + 8 * (f[None] & 1) + g[:, None]).reshape(-1)
+        _QUAD_ORDERS[head_dim] = (32 * k[:, None] + 8 * f[None] + g[:, None]).reshape(-1)
     return _QUAD_ORDERS[head_dim]
 
 
@@ -97,6 +101,20 @@ def quad_byte_view(words: torch.Tensor) -> torch.Tensor:
     NP, H, P, W = words.shape
     _check_quads(P)
     return words.view(torch.uint8).view(NP, H, P // 4, 4 * W, 4)
+
+
+def store_quad_rows(
+    words: torch.Tensor, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool = True
+) -> None:
+    """Write codes [N, H, D] uint8 as rows row[i] of pages page[i] (page, row: [N] int64) of
+    quad-layout value pages [NP, H, P, D/16]: one byte of each of the row's quad words, the quad's
+    other tokens untouched. check_range as `pack_codes` (False: no host sync, capture-safe).
+
+    Raises:
+        KVInputError: as `pack_codes`, or pages of a token count not divisible by 4.
+    """
+    _check_codes(codes, check_range)
+    quad_byte_view(words)[page, :, torch.div(row, 4, rounding_mode="floor"), :, row % 4] = quad_bytes(codes)
 
 
 def token_to_quad(words: torch.Tensor) -> torch.Tensor:
