@@ -166,8 +166,24 @@ constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
 struct KeyOps {
   uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (or the lane's column's term)][b0, b1]
   uint32_t table;              // f L0..L3 as int8, bytes 0..3
-  float inv[2];  // per score column: 1 / (c_h * f * 128) (kPairTerms: times 128 for the hi columns)
+  uint32_t term;               // half2: 128 for lanes summing hi terms (kPairTerms, t < 2), else 1
 };
+// The key scales of one token row (its NBK blocks) as fp32, times the lane's term (a power of two
+// <= 2^7: exact, and E4M3 * 2^7 <= 57344 stays inside fp16).
+ZD_DEVICE void key_scales(const uint8_t* row, uint32_t term, float (&sc)[NBK]) {
+  if constexpr (SCALE_FMT == kScaleE4M3 && NBK == 2) {
+    uint32_t h2 = scales_to_half2<kScaleE4M3>(*reinterpret_cast<const uint16_t*>(row));  // one load, one cvt
+    if constexpr (kPairTerms) h2 = h2_as_u32(__hmul2(u32_as_h2(h2), u32_as_h2(term)));
+    sc[0] = __low2float(u32_as_h2(h2));
+    sc[1] = __high2float(u32_as_h2(h2));
+  } else {
+#pragma unroll
+    for (int b = 0; b < NBK; ++b) {
+      sc[b] = scale_to_float<SCALE_FMT>(row[b]);
+      if constexpr (kPairTerms) sc[b] *= __low2float(u32_as_h2(term));
+    }
+  }
+}
 ZD_DEVICE int k8_channel(int ks, int kk) {
   const int t = (kk & 15) >> 2, e = kk & 3, hi = kk >> 4;
   return 16 * (4 * (ks >> 1) + t) + 8 * hi + 2 * e + (ks & 1);
@@ -181,19 +197,43 @@ struct KeyOps {
 
 struct Softmax {
   float m[2], l[2];  // running max (log2 domain) and this lane's partial sum, heads 2t, 2t+1
+#if KEY_S8
+  float inv[2];  // per score column: 1 / (c_h * f * 128), turning the integer scores into log2 units
+#endif
 };
 
-// Fill one stage: 32 tokens of K and V codes plus their scales (a page holds whole stages).
-ZD_DEVICE void load_stage(Stage* st, int lane, const uint32_t* kc, const uint32_t* vc,
-                          const uint8_t* ks, const uint8_t* vs) {
-  constexpr int kChunks = TOK * WPR / 4;  // 16-byte chunks of one side's codes
+// Byte offsets of a stage's parts (the layout of Stage).
+constexpr uint32_t kOffKc = 0, kOffVc = 4 * TOK * WPR, kOffKs = 8 * TOK * WPR, kOffVs = kOffKs + TOK * NBK;
+constexpr int kCodeChunks = TOK * WPR / 4 / 32;  // 16-byte chunks of each code run per lane (2, or 1 at D = 64)
+static_assert(kOffVs + TOK * NBV == sizeof(Stage), "Stage layout");
+
+// Where a lane's copies land in a stage: chunks lane + 32x of the key and value code runs, placed by
+// k_chunk / v_chunk; fixed for the CTA.
+struct CopyPlan {
+  uint32_t kc[kCodeChunks], vc[kCodeChunks];  // byte offsets in a Stage
+};
+ZD_DEVICE CopyPlan copy_plan(int lane) {
+  CopyPlan cp;
 #pragma unroll
-  for (int c = lane; c < kChunks; c += 32) {
-    cp_async16(smem_addr(st->kc + 4 * k_chunk(c)), kc + 4 * c, 16);
-    cp_async16(smem_addr(st->vc + 4 * v_chunk(c)), vc + 4 * c, 16);
+  for (int x = 0; x < kCodeChunks; ++x) {
+    cp.kc[x] = kOffKc + 16 * k_chunk(lane + 32 * x);
+    cp.vc[x] = kOffVc + 16 * v_chunk(lane + 32 * x);
   }
-  if (lane < TOK * NBK / 16) cp_async16(smem_addr(st->ks + 16 * lane), ks + 16 * lane, 16);
-  if (lane < TOK * NBV / 16) cp_async16(smem_addr(st->vs + 16 * lane), vs + 16 * lane, 16);
+  return cp;
+}
+
+// Fill one stage: 32 tokens of K and V codes plus their scales (a page holds whole stages). `dst`
+// is the stage's shared address; kc / vc point at the lane's first chunk (chunk `lane`) of the
+// stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes that have one).
+ZD_DEVICE void load_stage(uint32_t dst, int lane, const CopyPlan& cp, const uint32_t* kc, const uint32_t* vc,
+                          const uint8_t* ks, const uint8_t* vs) {
+#pragma unroll
+  for (int x = 0; x < kCodeChunks; ++x) {
+    cp_async16(dst + cp.kc[x], kc + 128 * x, 16);  // chunk lane + 32x: 512 bytes further
+    cp_async16(dst + cp.vc[x], vc + 128 * x, 16);
+  }
+  if (lane < TOK * NBK / 16) cp_async16(dst + kOffKs + 16 * lane, ks, 16);
+  if (lane < TOK * NBV / 16) cp_async16(dst + kOffVs + 16 * lane, vs, 16);
 }
 
 template <bool PARTIAL>
@@ -227,18 +267,18 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
-      const uint8_t* sb = st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK;
+      float sc[NBK];
+      key_scales(st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK, key.term, sc);
 #pragma unroll
-      for (int b = 0; b < NBK; ++b) {
-        const float sc = scale_to_float<SCALE_FMT>(sb[b]);
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int b = 0; b < NBK; ++b) {
           // kPairTerms: this lane's term, exact in fp32 (|partial| < 2^20); else hi * 128 + lo,
-          // |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
+          // |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative). The column's
+          // 1 / (c f 128) is applied in the softmax (Softmax::inv).
           const float v = kPairTerms ? float(acc[b][0][2 * r + h])
                                      : float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
-          const float sch = sc * key.inv[h];
-          sacc[i][2 * r + h] = b ? fmaf(v, sch, sacc[i][2 * r + h]) : v * sch;
+          sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
         }
       }
     }
@@ -295,21 +335,29 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // only when some score does, which after the first stages is rare. P <= 2^8 (2^7) fits fp16 easily.
   // V_QUAD: 7, so that P^T times a value scale (<= 448) stays inside fp16 (2^7 * 448 < 65504).
   constexpr float kRescaleSlack = V_QUAD ? 7.f : 8.f;
-  float mx[2] = {sm.m[0], sm.m[1]};
+  // KEY_S8 scores are in integer units until multiplied by the column's inv; the max and the vote
+  // work on them as they are (inv > 0) and the weight takes inv in its one FFMA.
+#if KEY_S8
+  const float u[2] = {sm.inv[0], sm.inv[1]};
+#else
+  constexpr float u[2] = {1.f, 1.f};
+#endif
+  float mx[2] = {fmaxf(sacc[0][0], sacc[0][2]), fmaxf(sacc[0][1], sacc[0][3])};
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
+  for (int i = 1; i < NT; ++i) {
     mx[0] = fmaxf(mx[0], fmaxf(sacc[i][0], sacc[i][2]));
     mx[1] = fmaxf(mx[1], fmaxf(sacc[i][1], sacc[i][3]));
   }
   // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
   // from then on.
-  if (__any_sync(0xffffffffu, mx[0] > sm.m[0] + kRescaleSlack || mx[1] > sm.m[1] + kRescaleSlack)) {
+  if (__any_sync(0xffffffffu, mx[0] * u[0] > sm.m[0] + kRescaleSlack || mx[1] * u[1] > sm.m[1] + kRescaleSlack)) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
       mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
       mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
     }
-    const float al0 = ex2(sm.m[0] - mx[0]), al1 = ex2(sm.m[1] - mx[1]);  // 0 on the first stage
+    const float m0 = fmaxf(sm.m[0], mx[0] * u[0]), m1 = fmaxf(sm.m[1], mx[1] * u[1]);
+    const float al0 = ex2(sm.m[0] - m0), al1 = ex2(sm.m[1] - m1);  // 0 on the first stage
     sm.l[0] *= al0;
     sm.l[1] *= al1;
 #pragma unroll
@@ -319,14 +367,14 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       oacc[m][2] *= al0;
       oacc[m][3] *= al1;
     }
-    sm.m[0] = mx[0];
-    sm.m[1] = mx[1];
+    sm.m[0] = m0;
+    sm.m[1] = m1;
   }
   uint32_t pb[NT][2];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    const float p0 = ex2(sacc[i][0] - sm.m[0]), p1 = ex2(sacc[i][1] - sm.m[1]);
-    const float p2 = ex2(sacc[i][2] - sm.m[0]), p3 = ex2(sacc[i][3] - sm.m[1]);
+    const float p0 = ex2(fmaf(sacc[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(sacc[i][1], u[1], -sm.m[1]));
+    const float p2 = ex2(fmaf(sacc[i][2], u[0], -sm.m[0])), p3 = ex2(fmaf(sacc[i][3], u[1], -sm.m[1]));
     sm.l[0] += p0 + p2;
     sm.l[1] += p1 + p3;
     pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 2t, 2t+1][head g]
@@ -461,9 +509,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attn_fp2_decode(const __half* __restrict__ q, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
-                    const uint8_t* __restrict__ v_scales, long long code_page_stride,
-                    long long code_head_stride, long long ks_page_stride, long long ks_head_stride,
-                    long long vs_page_stride, long long vs_head_stride, const float* __restrict__ levels,
+                    const uint8_t* __restrict__ v_scales, uint32_t code_page_stride,
+                    uint32_t code_head_stride, uint32_t ks_page_stride, uint32_t ks_head_stride,
+                    uint32_t vs_page_stride, uint32_t vs_head_stride, const float* __restrict__ levels,
                     const int32_t* __restrict__ block_table, int bt_stride, int page_size,
                     const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
                     int max_splits, float* __restrict__ o_part, float* __restrict__ ml_part) {
@@ -484,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels in the permuted
   // K order.
   KeyOps key;
+  float score_inv[2] = {1.f, 1.f};  // KEY_S8: Softmax::inv
   {
     // B column g: head g, or with kPairTerms head g % 4's hi (g < 4) or lo (g >= 4) term
     const int qhead = kPairTerms ? (g & 3) : g;
@@ -514,9 +563,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     // score column 2t + h's head: lanes 4 * head hold its c (kPairTerms: column 2t + h is head
     // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2)
     const int col_head = kPairTerms ? 2 * (t & 1) : 2 * t;
-    const float term = kPairTerms && t < 2 ? 128.f : 1.f;
-    key.inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head) * term;
-    key.inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4) * term;
+    key.term = kPairTerms && t < 2 ? 0x58005800u : 0x3c003c00u;  // half2(128, 128) : half2(1, 1)
+    score_inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head);
+    score_inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4);
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
@@ -573,19 +622,26 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   load_pages(1, pages_next, slots_next);
   // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
   // Called by the whole warp with the same j, in increasing order (the page chunks advance here).
+  // The lane's part of every stage's copies: its chunks' places in a stage, and its offsets inside
+  // a page (the strides are 32-bit, checked on the host, so a stage's global offsets are one wide
+  // multiply-add per run).
+  const CopyPlan plan = copy_plan(lane);
+  const uint32_t ring_addr = smem_addr(ring);
+  const uint32_t code_in_page = kvh * code_head_stride + 4 * lane;
+  const uint32_t ks_in_page = kvh * ks_head_stride + 16 * lane, vs_in_page = kvh * vs_head_stride + 16 * lane;
   auto issue = [&](int j, int slot) {
     if (j > 0 && (j & 31) == 0) {
       pages_cur = pages_next;
       slots_cur = slots_next;
       load_pages((j >> 5) + 1, pages_next, slots_next);
     }
-    const long long page = __shfl_sync(0xffffffffu, pages_cur, j & 31);
-    const int pos = __shfl_sync(0xffffffffu, slots_cur, j & 31);  // slot of the stage's first token
+    const uint32_t page = __shfl_sync(0xffffffffu, pages_cur, j & 31);
+    const uint32_t pos = __shfl_sync(0xffffffffu, slots_cur, j & 31);  // slot of the stage's first token
     if (warp + j * NUM_WARPS < num_stages) {
-      const long long coff = page * code_page_stride + kvh * code_head_stride + (long long)pos * WPR;
-      load_stage(ring + slot, lane, k_codes + coff, v_codes + coff,
-                 k_scales + page * ks_page_stride + kvh * ks_head_stride + (long long)pos * NBK,
-                 v_scales + page * vs_page_stride + kvh * vs_head_stride + (long long)pos * NBV);
+      const uint64_t cw = uint64_t(page) * code_page_stride + (code_in_page + pos * WPR);  // code words
+      load_stage(ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, k_codes + cw, v_codes + cw,
+                 k_scales + (uint64_t(page) * ks_page_stride + (ks_in_page + pos * NBK)),
+                 v_scales + (uint64_t(page) * vs_page_stride + (vs_in_page + pos * NBV)));
     }
     cp_async_commit();  // empty groups keep the wait count uniform
   };
@@ -593,6 +649,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   Softmax sm;
   sm.m[0] = sm.m[1] = ZD_NEG_INF;
   sm.l[0] = sm.l[1] = 0.f;
+#if KEY_S8
+  sm.inv[0] = score_inv[0];
+  sm.inv[1] = score_inv[1];
+#endif
   float oacc[NKS][4];
 #pragma unroll
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
