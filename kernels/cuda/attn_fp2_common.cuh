@@ -189,6 +189,21 @@ ZD_DEVICE uint32_t shr_fma(uint32_t x) {  // x >> N (1 <= N < 32) as IMAD.HI
   return d;
 }
 
+// A selector's high 16 bits brought down to its low 16 bits (where prmt reads them): one HADD2
+// that adds -0 to the high half and writes it to both halves. HADD2 issues on the FMA pipes; the
+// alternatives are a shift on the ALU pipe (which the permutes fill) or IMAD.HI, which takes four
+// issue cycles of the heavy FMA pipe (measured on the H200: docs/fp2-kernel.md, "Issue costs").
+// Exact because every selector half is a finite fp16 bit pattern (bytes <= 0x76: the exponent
+// field is never all ones), and x + (-0) = x bit for bit for every finite x, -0 and subnormals
+// included (fp16 arithmetic keeps subnormals).
+ZD_DEVICE uint32_t hi16(uint32_t x) {
+  uint32_t d;
+  asm("{.reg .b16 l, h, z; mov.b32 {l, h}, %1; mov.b16 z, 0x8000; add.rn.f16 l, h, z; mov.b32 %0, {l, l};}"
+      : "=r"(d)
+      : "r"(x));
+  return d;
+}
+
 // fp16 table (any levels, e.g. already multiplied by a key block scale): t01 = half2(L0, L1),
 // t23 = half2(L2, L3), so bytes 2c, 2c+1 of the pair (t01, t23) hold level c. prmt reads four
 // selector nibbles from the low 16 bits of its selector; nibbles (2c0, 2c0+1, 2c1, 2c1+1) give
@@ -202,7 +217,7 @@ ZD_DEVICE void expand_word_f16(uint32_t w, uint32_t t01, uint32_t t23, uint32_t 
     const uint32_t x = ws[s] & 0x03030303u;           // byte b = code 4b + s
     const uint32_t sel = x * 0x22u + 0x10101010u;     // nibble pairs for all four bytes
     out[2 * s] = prmt(t01, t23, sel);
-    out[2 * s + 1] = prmt(t01, t23, shr_fma<16>(sel));
+    out[2 * s + 1] = prmt(t01, t23, hi16(sel));
   }
 }
 
@@ -218,7 +233,7 @@ ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
   for (int s = 0; s < 4; ++s) {
     const uint32_t sel = and_or(ws[s], 0x30303030u, 0x04040404u);
     out[2 * s] = prmt(t, 0u, sel);
-    out[2 * s + 1] = prmt(t, 0u, shr_fma<16>(sel));
+    out[2 * s + 1] = prmt(t, 0u, hi16(sel));
   }
 }
 
@@ -231,9 +246,9 @@ ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
 ZD_DEVICE void expand_word_bytes(uint32_t w, uint32_t t, uint32_t (&out)[4]) {
   const uint32_t even = w & 0x33333333u, odd = shr_fma<2>(w) & 0x33333333u;
   out[0] = prmt(t, 0u, even);
-  out[1] = prmt(t, 0u, shr_fma<16>(even));
+  out[1] = prmt(t, 0u, hi16(even));
   out[2] = prmt(t, 0u, odd);
-  out[3] = prmt(t, 0u, shr_fma<16>(odd));
+  out[3] = prmt(t, 0u, hi16(odd));
 }
 
 }  // namespace zd

@@ -163,6 +163,7 @@ constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query term
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
 constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
+constexpr int kScoreMagic = 0x4B400000;    // the bits of 1.5 * 2^23 (kPairTerms accumulators start there)
 struct KeyOps {
   uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (or the lane's column's term)][b0, b1]
   uint32_t table;              // f L0..L3 as int8, bytes 0..3
@@ -257,7 +258,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
       for (int u = 0; u < NTERM; ++u)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[b][u][c] = 0;
+        for (int c = 0; c < 4; ++c) acc[b][u][c] = kPairTerms ? kScoreMagic : 0;
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks) {
       const int j = ks >> 1, o = 2 * (ks & 1), b = 64 * j / K_BLOCK;
@@ -270,15 +271,30 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       float sc[NBK];
       key_scales(st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK, key.term, sc);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
+      if constexpr (kPairTerms) {
+        // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
+        // 1.5 * 2^23 + the lane's partial (|partial| < 2^20 < 2^22): F * sc - 1.5 * 2^23 * sc is
+        // the partial times the scale, rounded once (no int-to-float conversion on the ALU pipe).
+        float msc[NBK];
 #pragma unroll
-        for (int b = 0; b < NBK; ++b) {
-          // kPairTerms: this lane's term, exact in fp32 (|partial| < 2^20); else hi * 128 + lo,
-          // |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative). The column's
-          // 1 / (c f 128) is applied in the softmax (Softmax::inv).
-          const float v = kPairTerms ? float(acc[b][0][2 * r + h])
-                                     : float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
-          sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
+        for (int b = 0; b < NBK; ++b) msc[b] = -12582912.f * sc[b];  // exact: sc has <= 8 significant bits
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = fmaf(__int_as_float(acc[0][0][2 * r + h]), sc[0], msc[0]);
+#pragma unroll
+          for (int b = 1; b < NBK; ++b) v += fmaf(__int_as_float(acc[b][0][2 * r + h]), sc[b], msc[b]);
+          sacc[i][2 * r + h] = v;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int b = 0; b < NBK; ++b) {
+            // hi * 128 + lo: |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
+            const float v = float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
+            sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
+          }
         }
       }
     }
