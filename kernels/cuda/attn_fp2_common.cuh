@@ -118,6 +118,19 @@ ZD_DEVICE uint32_t scales_to_half2(uint32_t pair) {
   }
 }
 
+// Two E4M3 bytes (bits 0-15, or 16-31) as half2, exactly; the high form reads the register's high
+// half directly (no shift).
+ZD_DEVICE uint32_t e4m3x2_lo(uint32_t x) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(x));
+  return d;
+}
+ZD_DEVICE uint32_t e4m3x2_hi(uint32_t x) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(d) : "r"(x));
+  return d;
+}
+
 // Two value scales for the quad layout, where they multiply P (<= 2^7) in fp16: scales_to_half2,
 // with E8M0 clamped to [2^-14, 2^8] instead (E4M3 stays <= 448), so that the product stays finite.
 template <int FMT>

@@ -420,12 +420,20 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         const int ta = 4 * q + 2 * h;
         keep = (((valid >> ta) & 1u) ? 0x0000ffffu : 0u) | (((valid >> (ta + 1)) & 1u) ? 0xffff0000u : 0u);
       }
+      if constexpr (SCALE_FMT == kScaleE4M3 && NBV == 2) {
+        // qs[h] holds tokens 2h, 2h + 1 (bytes 0-1, 2-3); one permute pairs them per block and
+        // the two conversions read its halves
+        const uint32_t both = prmt(qs[h], 0u, 0x3120);
+        pv[0][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(e4m3x2_lo(both) & keep)));
+        pv[1][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(e4m3x2_hi(both) & keep)));
+      } else {
 #pragma unroll
-      for (int b = 0; b < NBV; ++b) {
-        const int i0 = 2 * h * NBV + b, i1 = i0 + NBV;  // bytes of tokens 2h, 2h + 1 of the quad
-        const uint32_t pair = prmt(qs[i0 >> 2], qs[i1 >> 2], (i0 & 3) | (((i1 & 3) + 4) << 4));
-        const uint32_t s2 = value_scales_to_half2<SCALE_FMT>(pair) & keep;
-        pv[b][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(s2)));
+        for (int b = 0; b < NBV; ++b) {
+          const int i0 = 2 * h * NBV + b, i1 = i0 + NBV;  // bytes of tokens 2h, 2h + 1 of the quad
+          const uint32_t pair = prmt(qs[i0 >> 2], qs[i1 >> 2], (i0 & 3) | (((i1 & 3) + 4) << 4));
+          const uint32_t s2 = value_scales_to_half2<SCALE_FMT>(pair) & keep;
+          pv[b][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(s2)));
+        }
       }
     }
     uint32_t w[D / 32];  // the lane's words of the quad (chunk moved by v_chunk)
