@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attention": ("benchmarks/attention.py", "FP2 decode attention vs FP16 SDPA: ms, GB/s, speedup"),
     "experts": ("benchmarks/experts.py", "routed SwiGLU experts at decode sizes: kernel vs grouped_mm vs loop"),
     "decode": ("benchmarks/decode.py", "one MoE layer's decode step: FP2 + fused vs BF16 + host, floors"),
+    "issue-rates": ("benchmarks/issue_rates.py", "warp instructions per cycle of single instructions and pairs (a probe)"),
 }
 
 

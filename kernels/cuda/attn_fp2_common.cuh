@@ -185,8 +185,12 @@ ZD_DEVICE uint32_t encode_scale(float s) {
 //
 // Both expansions give, for one code word w (code j at bits [2j, 2j+1]):
 //   out[2s] = half2(L[code s], L[code 4+s]),  out[2s+1] = half2(L[code 8+s], L[code 12+s]),  s = 0..3.
-// Shifts go through the FMA pipe (IMAD.SHL / IMAD.HI) because the integer ALU pipe, at half the
-// issue rate, is the one the byte permutes and masks already fill.
+// What an instruction costs here was measured (benchmarks/issue_rates.py; docs/fp2-kernel.md,
+// "Issue costs"): LOP3, PRMT, SHF, I2FP, FMNMX and F2FP share the integer ALU pipe, one warp
+// instruction per two cycles; IMAD.SHL runs beside PRMT on the heavy FMA pipe, IMAD.HI takes four
+// cycles there and stalls PRMT; HADD2 issues beside PRMT at full rate. So left shifts are IMAD.SHL
+// (shl_fma), a selector's high half comes down by HADD2 (hi16), and the one right shift by 2 is a
+// plain SHF.
 
 template <int N>
 ZD_DEVICE uint32_t shl_fma(uint32_t x) {  // x << N as IMAD.SHL
@@ -195,7 +199,7 @@ ZD_DEVICE uint32_t shl_fma(uint32_t x) {  // x << N as IMAD.SHL
   return d;
 }
 template <int N>
-ZD_DEVICE uint32_t shr_fma(uint32_t x) {  // x >> N (1 <= N < 32) as IMAD.HI
+ZD_DEVICE uint32_t shr_fma(uint32_t x) {  // x >> N (1 <= N < 32) as IMAD.HI (expand_word_f16 only)
   static_assert(N >= 1 && N < 32, "shift");
   uint32_t d;
   asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(x), "n"(1u << (32 - N)));
@@ -222,7 +226,7 @@ ZD_DEVICE uint32_t hi16(uint32_t x) {
 // selector nibbles from the low 16 bits of its selector; nibbles (2c0, 2c0+1, 2c1, 2c1+1) give
 // half2(L[c0], L[c1]). With a code c in the low 2 bits of a byte, c * 0x22 + 0x10 is exactly that
 // nibble pair, so one IMAD turns four bytes of codes into two selectors (bytes 0-1, 2-3; the
-// second brought down by IMAD.HI). Per word: 4 LOP3 + 8 PRMT (ALU), 3 + 4 + 4 IMAD (FMA).
+// second brought down by hi16). Per word: 4 LOP3 + 8 PRMT (ALU), 3 + 4 IMAD, 4 HADD2.
 ZD_DEVICE void expand_word_f16(uint32_t w, uint32_t t01, uint32_t t23, uint32_t (&out)[8]) {
   const uint32_t ws[4] = {w, shr_fma<2>(w), shr_fma<4>(w), shr_fma<6>(w)};
 #pragma unroll
@@ -238,10 +242,11 @@ ZD_DEVICE void expand_word_f16(uint32_t w, uint32_t t01, uint32_t t23, uint32_t 
 // so the table is one register t = (hb(L0), hb(L1), hb(L2), hb(L3)) and a zero register supplies
 // the low bytes: selector nibbles (4, c0, 4, c1) give half2(L[c0], L[c1]). A byte 0b00cc0100 is
 // such a nibble pair, i.e. (w' & 0x30303030) | 0x04040404 with the codes moved to bits 4-5 of
-// each byte: one LOP3 per four codes and no multiply. Per word: 4 LOP3 + 8 PRMT, 3 + 4 IMAD.
+// each byte: one LOP3 per four codes and no multiply. Per word: 4 LOP3 + 8 PRMT + 1 SHF (ALU),
+// 2 IMAD.SHL, 4 HADD2.
 ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
   // Code 4b+s sits at bits 8b+2s; bring it to 8b+4.
-  const uint32_t ws[4] = {shl_fma<4>(w), shl_fma<2>(w), w, shr_fma<2>(w)};
+  const uint32_t ws[4] = {shl_fma<4>(w), shl_fma<2>(w), w, w >> 2};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t sel = and_or(ws[s], 0x30303030u, 0x04040404u);
@@ -255,9 +260,9 @@ ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
 //   out[0] = L[codes 0, 2, 4, 6]   out[1] = L[codes 8, 10, 12, 14]
 //   out[2] = L[codes 1, 3, 5, 7]   out[3] = L[codes 9, 11, 13, 15]
 // (w & 0x33333333 leaves code 2n in nibble n; prmt reads the low four nibbles). Per word: 2 LOP3 +
-// 4 PRMT (ALU) and 3 IMAD.HI (FMA): 9 instructions for 16 elements, against 19-23 for fp16 halves.
+// 4 PRMT + 1 SHF (ALU) and 2 HADD2: 9 instructions for 16 elements, against 19-23 for fp16 halves.
 ZD_DEVICE void expand_word_bytes(uint32_t w, uint32_t t, uint32_t (&out)[4]) {
-  const uint32_t even = w & 0x33333333u, odd = shr_fma<2>(w) & 0x33333333u;
+  const uint32_t even = w & 0x33333333u, odd = (w >> 2) & 0x33333333u;
   out[0] = prmt(t, 0u, even);
   out[1] = prmt(t, 0u, hi16(even));
   out[2] = prmt(t, 0u, odd);
