@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.module import launch, load_module, overlap_supported, ptr
+from zerodram.kernels.module import launch, load_module, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
@@ -76,7 +76,6 @@ class Fp2Kernels:
 
     def __init__(self, cfg: Fp2KernelConfig) -> None:
         self.cfg = cfg
-        self.overlap = overlap_supported()  # the merge overlaps the decode's tail (PDL) where it can
         if cfg.decode_smem_bytes > 48 * 1024:
             raise ValueError(
                 f"decode needs {cfg.decode_smem_bytes} B of shared memory; keep num_warps * stages "
@@ -173,9 +172,7 @@ class Fp2Kernels:
             np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)), np.int32(hp_max), ptr(out),
         )  # fmt: skip
         grid = (Hkv, B, self.cfg.head_dim // 32)  # 32 output channels per CTA (attn_fp2_merge.cu)
-        # The merge starts while the decode's last CTAs finish (PDL): its bf16-token logits need
-        # nothing from the decode; it waits (griddepcontrol.wait) before reading the partials.
-        launch(self._merge, grid=grid, block=(128,), args=args, shared_mem=smem, overlap_previous=self.overlap)
+        launch(self._merge, grid=grid, block=(128,), args=args, shared_mem=smem)
 
     def write(
         self,

@@ -76,33 +76,10 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-@cache
-def overlap_supported() -> bool:
-    """Whether this cuda.core can launch with programmatic stream serialization (PDL, sm_90+)."""
-    from cuda.core import LaunchConfig
-
-    try:
-        LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
-    except TypeError:
-        return False
-    return True
-
-
 def launch(
-    kernel: Any,
-    grid: tuple[int, ...],
-    block: tuple[int, ...],
-    args: tuple,
-    shared_mem: int = 0,
-    overlap_previous: bool = False,
+    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
 ) -> None:
-    """Launch `kernel` on torch's current stream (asynchronous).
-
-    overlap_previous: programmatic stream serialization (PDL): the kernel may start once every CTA
-    of the previous kernel in the stream has run `griddepcontrol.launch_dependents` (or exited), and
-    must itself run `griddepcontrol.wait` before it reads what that kernel writes. Only for kernel
-    pairs written for it, and only where overlap_supported().
-    """
+    """Launch `kernel` on torch's current stream (asynchronous)."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
 
@@ -113,8 +90,7 @@ def launch(
             f"launch asks for {shared_mem} bytes of dynamic shared memory; call allow_shared_memory(kernel, ...) "
             "first (outside any graph capture)"
         )
-    extra = {"programmatic_stream_serialization": True} if overlap_previous else {}
-    core_launch(core_stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_mem, **extra), kernel, *args)
+    core_launch(core_stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_mem), kernel, *args)
 
 
 _shared_limit: dict[tuple[int, int], int] = {}  # (CUkernel handle, device) -> dynamic shared memory allowed

@@ -701,10 +701,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     }
   }
   cp_async_wait<0>();
-  // The merge (launched with programmatic stream serialization) may start once every CTA is here:
-  // its bf16-token logits overlap this kernel's combine and last CTAs; it waits for the whole grid
-  // (griddepcontrol.wait) before it reads the split workspace.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   // ---- combine the warps of the CTA ---------------------------------------------------------
 #pragma unroll

@@ -90,12 +90,6 @@ extern "C" __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Everything above reads only what existed before attn_fp2_decode ran; from here on the split
-  // workspace it writes. Launched with programmatic stream serialization (after the decode kernel
-  // signalled launch_dependents) this waits for the decode grid to finish and its writes to be
-  // visible; launched plainly it returns at once.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-
   // One warp per head, lanes over splits and bf16 tokens: global max, the weight of every split
   // and token, 1 / sum (at B = 1 there are ~66 splits: a serial walk would dominate the kernel).
   for (int h = warp; h < GROUP; h += kThreads / 32) {
