@@ -342,8 +342,8 @@ class LayerBench:
         import torch
 
         from zerodram.runtime.kv.cache import make_kv_cache
+        from zerodram.runtime.kv.decode_index import StaticDecodeIndex
         from zerodram.runtime.kv.format import DEFAULT_FP2
-        from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
 
         H, D = self.cfg.num_kv_heads, self.cfg.head_dim
         cache = make_kv_cache(

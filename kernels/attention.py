@@ -3,7 +3,7 @@
 Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, S split slots,
 NP pages, P page size, NBK / NBV scale blocks per token, HP bf16 tokens per sequence, N written tokens.
 
-Each wrapper takes tensors that runtime/attention.py has validated once, and launches on torch's
+Each wrapper takes tensors that runtime/attention/ (decode.py, writer.py) has validated once, and launches on torch's
 current stream without allocating or synchronising (CUDA-graph safe). Kernel specialisations are
 compiled per `Fp2KernelConfig` and cached (kernels/jit.py).
 """

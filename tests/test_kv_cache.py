@@ -279,7 +279,7 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
     torch reference; error feedback gets a random factor (calibration's shape, not its values)."""
     import dataclasses
 
-    from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
+    from zerodram.runtime.kv.decode_index import StaticDecodeIndex
 
     a = _cache(fmt, num_pages=24, max_seqs=6, device=device, static_kernel=False)  # the torch body
     b = _cache(fmt, num_pages=24, max_seqs=6, device=device)

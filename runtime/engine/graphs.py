@@ -129,7 +129,7 @@ class StaticAttention:
     """
 
     def __init__(self, kv, fused, bucket: int, num_layers: int) -> None:
-        from zerodram.runtime.kv.fp2_cache import StaticDecodeIndex
+        from zerodram.runtime.kv.decode_index import StaticDecodeIndex
 
         self.kv, self.fused = kv, fused
         dev = fused.device

@@ -63,7 +63,7 @@ class RuntimeKVPartition:
             for i in range(num_layers)
         ]
         if hasattr(self.caches[0], "index_memo"):  # FP2: one step's decode-append indices serve every layer
-            from zerodram.runtime.kv.fp2_cache import DecodeIndexMemo
+            from zerodram.runtime.kv.decode_index import DecodeIndexMemo
 
             memo = DecodeIndexMemo()
             for c in self.caches:

@@ -11,16 +11,15 @@ same bf16 tail rows, appending token by token and appending a chunk produce iden
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
-from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.cache import KVCache
+from zerodram.runtime.kv.decode_index import DecodeIndexMemo, DecodeIndices, StaticDecodeIndex
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
-from zerodram.runtime.kv.pack import CodeLayout, pack_codes, store_quad_rows, unpack_codes, unpack_quad
+from zerodram.runtime.kv.fp2_pages import SidePages, value_layout
 from zerodram.runtime.kv.params import layer_params
 from zerodram.runtime.kv.quantize import (
     SideParams,
@@ -32,121 +31,6 @@ from zerodram.runtime.kv.quantize import (
     to_stored_space,
 )
 from zerodram.runtime.kv.scales import decode_scale, encode_scale
-
-
-def value_layout(side: Fp2TensorSpec, head_dim: int, page_size: int) -> CodeLayout:
-    """The value pages' layout: "quad" where the decode kernel reads values and folds their scales
-    into P (symmetric channel blocks of at least 16 channels, e4m3/e8m0 scales, no center, a head
-    dim of 32s, pages of 4s), else "token" (formats only the gather path reads, which unpacks the
-    token layout fastest)."""
-    kernel = (
-        side.block_axis == "channel" and not side.asymmetric and not side.center
-        and side.scale_dtype in ("e4m3", "e8m0")
-    )  # fmt: skip
-    quad = kernel and side.block_size >= 16 and head_dim % 32 == 0 and page_size % 4 == 0
-    return "quad" if quad else "token"
-
-
-class _SidePages:
-    """Page storage of one side (K or V).
-
-    layout: how a page's code words hold its tokens (docs/fp2-format.md, "Physical layout"):
-    "token" (row t = token t's D/16 words) or "quad" (4 tokens interleaved by byte, the values'
-    layout wherever the decode kernel can fold their scales: runtime/kv/pack.py).
-    """
-
-    def __init__(self, side: Fp2TensorSpec, num_pages: int, H: int, P: int, D: int, device, layout: CodeLayout) -> None:
-        self.side, self.layout = side, layout
-        bs = side.block_size
-        self.codes = torch.zeros(
-            num_pages, H, P, D // 16, dtype=torch.int32, device=device
-        )  # [pages, H, P, D/16]
-        # The layout's store and load, chosen once: a token's D/16 words in a row, or its byte of
-        # each of its quad's words.
-        if layout == "quad":
-            self.store, self._unpack = self._store_quad, unpack_quad
-        else:
-            self.store, self._unpack = self._store_token, unpack_codes
-        sshape = (num_pages, H, P, D // bs) if side.block_axis == "channel" else (num_pages, H, P // bs, D)
-        sdt = {"e4m3": torch.uint8, "e8m0": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
-        self.scales = torch.zeros(sshape, dtype=sdt[side.scale_dtype], device=device)
-        self.offsets = torch.zeros(sshape, dtype=torch.bfloat16, device=device) if side.asymmetric else None
-
-    # store(page, row, codes, check_range=...): codes [N, H, D] uint8 to page row row[i] of page
-    # page[i] (page, row: [N] int64); check_range reads the codes' max back (a host sync), as
-    # `pack_codes` does, so pass False inside a CUDA-graph capture.
-
-    def _store_token(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
-        self.codes[page, :, row] = pack_codes(codes, check_range=check_range)  # [N, H, D/16]
-
-    def _store_quad(self, page: torch.Tensor, row: torch.Tensor, codes: torch.Tensor, *, check_range: bool) -> None:
-        store_quad_rows(self.codes, page, row, codes, check_range=check_range)
-
-    def load(self, pages: torch.Tensor) -> torch.Tensor:
-        """The codes of whole pages [n] -> [n, H, P, D] uint8, in token and channel order."""
-        return self._unpack(self.codes[pages])
-
-    def copy(self, src: int, dst: int) -> None:
-        self.codes[dst] = self.codes[src]
-        self.scales[dst] = self.scales[src]
-        if self.offsets is not None:
-            self.offsets[dst] = self.offsets[src]
-
-
-@dataclass(frozen=True)
-class _DecodeIndices:
-    """Where a decode append writes, on the cache's device: slot [B] and bf16 row [B] of each new
-    token; the flushing sequences' slots [Bf] (None: no flush) and the page and page row of each
-    of their F flushed tokens [Bf * F]."""
-
-    slot: torch.Tensor
-    row: torch.Tensor
-    fl_slot: torch.Tensor | None
-    page: torch.Tensor
-    page_row: torch.Tensor
-
-
-class StaticDecodeIndex:
-    """Where a fixed-shape decode write goes, per row of a padded batch [Bp] (int64 on the cache's
-    device): hp slot and row of the new token, whether the row flushes its oldest tail token
-    (nonzero: yes), and that token's page and page row (the scratch page where it does not flush).
-    Padding rows name the scratch slot. Static buffers, rows of one [5, Bp] device tensor filled by
-    one copy per step: a captured graph reads them at every replay."""
-
-    def __init__(self, bucket: int, device: torch.device) -> None:
-        self._staging = Staging((5, bucket), torch.int64, device)
-        self.packed = self._staging.dev  # [5, Bp]
-        self.slot, self.row, self.flush, self.page, self.page_row = self.packed  # [Bp] each
-
-    @classmethod
-    def allocate(cls, bucket: int, device: torch.device) -> StaticDecodeIndex:
-        return cls(bucket, device)
-
-    def fill(self, rows: tuple[list[int], ...], scratch_slot: int, scratch_page: int) -> None:
-        """(slots, rows, flush, pages, page rows) of B <= Bp rows in, padded with scratch rows."""
-        slot, row, flush, page, page_row = rows
-        pad = self.slot.shape[0] - len(slot)
-        self._staging.upload(
-            [
-                [*slot, *[scratch_slot] * pad], [*row, *[0] * pad], [*flush, *[0] * pad],
-                [*page, *[scratch_page] * pad], [*page_row, *[0] * pad],
-            ]
-        )  # fmt: skip
-
-    def fill_scratch(self, scratch_slot: int, scratch_page: int) -> None:
-        """Every row to the scratch slot and page (before a capture's warm-up runs the writes)."""
-        self.fill(([], [], [], [], []), scratch_slot, scratch_page)
-
-
-@dataclass
-class DecodeIndexMemo:
-    """The last decode append's indices (key: layout S, P, F; sequences, rows, flushes), or the
-    decode-write kernel's [5, B] index (key: "kernel", ...). A partition gives all of its layers'
-    caches one memo, so a step copies its indices to the device once, not per layer."""
-
-    key: tuple | None = None
-    device: torch.device | None = None
-    value: _DecodeIndices | torch.Tensor | None = None
 
 
 class Fp2KVCache(KVCache):
@@ -189,8 +73,8 @@ class Fp2KVCache(KVCache):
         # One page and one slot past the pool's are never handed out: a fixed-shape decode write
         # (`write_decode_static`) sends its padding rows and its non-flushing rows there.
         self.scratch_page, self.scratch_slot = self.num_pages, self.tables.max_seqs
-        self.k = _SidePages(spec.k, self.num_pages + 1, H, P, D, dev, "token")
-        self.v = _SidePages(spec.v, self.num_pages + 1, H, P, D, dev, value_layout(spec.v, D, P))
+        self.k = SidePages(spec.k, self.num_pages + 1, H, P, D, dev, "token")
+        self.v = SidePages(spec.v, self.num_pages + 1, H, P, D, dev, value_layout(spec.v, D, P))
         self.rule = tail_rule(spec)
         rows = self.rule.hp_rows + 1  # +1: the arriving token is staged here before a flush
         n_slots = self.tables.max_seqs + 1
@@ -460,7 +344,7 @@ class Fp2KVCache(KVCache):
             self.index_memo.key, self.index_memo.device, self.index_memo.value = key, self.device, packed
         return self.index_memo.value
 
-    def _decode_indices(self, seq_ids: list[int], pos0: list[int]) -> _DecodeIndices:
+    def _decode_indices(self, seq_ids: list[int], pos0: list[int]) -> DecodeIndices:
         """The device index tensors of a decode append; every layer of a step asks for the same
         ones, so they come from `index_memo` (shared by a partition's caches) after the first."""
         S, P, F = self.spec.num_sinks, self.page_size, self.rule.flush
@@ -488,7 +372,7 @@ class Fp2KVCache(KVCache):
         dev = host.to(self.device, non_blocking=True)
         B, Bf = len(seq_ids), len(flushing)
         o = 2 * B + Bf
-        value = _DecodeIndices(
+        value = DecodeIndices(
             slot=dev[:B],
             row=dev[B : 2 * B],
             fl_slot=dev[2 * B : o] if Bf else None,
@@ -499,7 +383,7 @@ class Fp2KVCache(KVCache):
         return value
 
     def _flush(
-        self, seq_id: int, pages: _SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y
+        self, seq_id: int, pages: SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y
     ) -> None:
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
         into their page rows."""
@@ -533,7 +417,7 @@ class Fp2KVCache(KVCache):
 
     # -- reading --
     def _read_side(
-        self, seq_id: int, pages: _SidePages, hp: torch.Tensor, params: SideParams
+        self, seq_id: int, pages: SidePages, hp: torch.Tensor, params: SideParams
     ) -> torch.Tensor:
         n = self.seq_len(seq_id)
         S = self.spec.num_sinks

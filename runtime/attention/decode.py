@@ -1,0 +1,244 @@
+"""`Fp2DecodeAttention`: decode attention over FP2 pages plus bf16 sinks/tail, the CUDA kernels on a
+GPU and the torch reference on CPU (chosen at construction); validation, the split plan and the
+workspaces.
+
+Shape legend: B seqs, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, NP pages, P page
+size, HP bf16 tokens per sequence, S split slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer, expect_input
+from zerodram.runtime.attention.reference import LOG2E, int8_key_levels, reference_decode
+from zerodram.runtime.device import canonical_device
+from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.pack import CodeLayout
+
+
+class Fp2DecodeAttention:
+    """Decode attention (one query token per sequence) over FP2 pages plus bf16 sinks/tail.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim: the model's (G = Hq / Hkv in 1..8, D in {64, 128}).
+        page_size: tokens per page (multiple of 32).
+        k_block, v_block: channels per scale block; scale_dtype: 'e4m3' or 'e8m0'.
+        max_batch, max_fp2_tokens: bounds that size the preallocated split workspace.
+        device: a CUDA device runs the kernels, anything else the torch reference.
+        softmax_scale: default head_dim ** -0.5.
+        num_warps, stages, min_blocks: the decode kernel's launch shape (`Fp2KernelConfig`).
+        key_s8: keys through int8 MMAs (docs/fp2-kernel.md, "Int8 keys"); None: wherever the format
+            allows (k_block >= 64), else the fp16-key path.
+        v_layout: the value pages' layout the module reads ("token" or "quad", see `Fp2Layer`);
+            "quad" needs v_block >= 16.
+
+    Raises:
+        ConfigError: unsupported shape or format.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        k_block: int = 64,
+        v_block: int = 64,
+        scale_dtype: str = "e4m3",
+        max_batch: int,
+        max_fp2_tokens: int,
+        device: torch.device | str = "cpu",
+        softmax_scale: float | None = None,
+        num_warps: int = 4,
+        stages: int = 4,
+        min_blocks: int = 1,
+        key_s8: bool | None = None,
+        v_layout: CodeLayout = "token",
+    ) -> None:
+        if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
+            raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
+        if head_dim not in (64, 128):
+            raise ConfigError(f"head dim must be 64 or 128, got {head_dim}")
+        if page_size % 32 or page_size <= 0:
+            raise ConfigError(f"page size must be a positive multiple of 32, got {page_size}")
+        if scale_dtype not in ("e4m3", "e8m0"):
+            raise ConfigError(f"the kernels read e4m3 or e8m0 scales, got {scale_dtype!r}")
+        if head_dim % k_block or head_dim % v_block or k_block < head_dim // 4 or v_block < head_dim // 8:
+            raise ConfigError(
+                f"blocks ({k_block}, {v_block}) must divide D={head_dim} and hold a lane's channels "
+                f"(k_block >= {head_dim // 4}, v_block >= {head_dim // 8})"
+            )
+        if v_layout not in ("token", "quad"):
+            raise ConfigError(f"v_layout must be 'token' or 'quad', got {v_layout!r}")
+        if v_layout == "quad" and v_block < 16:
+            raise ConfigError(
+                f"the quad value layout needs value blocks of at least 16 channels, got {v_block}"
+            )
+        self.v_layout = v_layout
+        if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
+            key_s8 = k_block >= 64
+        if key_s8 and k_block < 64:
+            raise ConfigError(f"key_s8 needs key blocks of at least 64 channels, got {k_block}")
+        self.key_s8 = key_s8
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group = num_q_heads // num_kv_heads
+        self.page_size, self.k_block, self.v_block, self.scale_dtype = (
+            page_size,
+            k_block,
+            v_block,
+            scale_dtype,
+        )
+        self.max_batch, self.max_fp2_tokens = max_batch, max_fp2_tokens
+        self.device = canonical_device(device)
+        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+        self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
+
+            cfg = Fp2KernelConfig(
+                head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
+                v_quad=v_layout == "quad",
+            )  # fmt: skip
+            self.kernels = Fp2Kernels(cfg)
+            self.kernels.load()
+            props = torch.cuda.get_device_properties(self.device)
+            self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
+            self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
+            f32 = {"dtype": torch.float32, "device": self.device}
+            self.o_part = torch.empty(max_batch, num_q_heads, self.max_splits, head_dim, **f32)
+            self.ml_part = torch.empty(max_batch, num_q_heads, self.max_splits, 2, **f32)
+            self.out = torch.empty(max_batch, num_q_heads, head_dim, **f32)
+            self.q16 = torch.empty(max_batch, num_q_heads, head_dim, dtype=torch.float16, device=self.device)
+            self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+
+    CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
+    SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
+    MIN_SPLIT_TOKENS = 1024  # sets the most splits: ~8 stages per warp, prologue and combine stay small
+
+    def plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
+        """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only).
+
+        The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
+        partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
+        about L / s + SPLIT_OVERHEAD_TOKENS token-times (prologue, combine, merge) and the kernel
+        ceil(N * s / slots) of them: take the s that minimises that (the smaller on ties), with at
+        most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the 32-token stage, so
+        the last split holds the remainder (it may be short).
+        """
+        slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
+        rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
+        most = max(1, math.ceil(L / self.MIN_SPLIT_TOKENS))
+        splits = min(
+            range(1, most + 1),
+            key=lambda s: math.ceil(rows * s / slots) * (L / s + self.SPLIT_OVERHEAD_TOKENS),
+        )
+        split_tokens = 32 * math.ceil(L / splits / 32)
+        return math.ceil(L / split_tokens), split_tokens
+
+    def check(self, q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch) -> None:
+        """Host-only validation of dtypes, shapes, contiguity and devices. Raises KVInputError."""
+        B, D, Hkv, P = q.shape[0], self.head_dim, self.num_kv_heads, self.page_size
+        if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, D):
+            raise KVInputError(f"q has shape {tuple(q.shape)}, expected [B, {self.num_q_heads}, {D}]")
+        if not 1 <= B <= self.max_batch:
+            raise KVInputError(f"batch of {B} sequences, this module holds workspace for {self.max_batch}")
+        NP = layer.k_codes.shape[0]
+        dev = self.device
+        expect_input(layer.k_codes, "k_codes", torch.int32, (NP, Hkv, P, D // 16), dev)
+        expect_input(layer.v_codes, "v_codes", torch.int32, (NP, Hkv, P, D // 16), dev)
+        expect_input(layer.k_scales, "k_scales", torch.uint8, (NP, Hkv, P, D // self.k_block), dev)
+        expect_input(layer.v_scales, "v_scales", torch.uint8, (NP, Hkv, P, D // self.v_block), dev)
+        expect_input(layer.levels, "levels", torch.float32, (8,), dev)
+        expect_input(batch.block_table, "block_table", torch.int32, (B, batch.block_table.shape[1]), dev)
+        expect_input(batch.fp2_len, "fp2_len", torch.int32, (B,), dev)
+        slots, HP = (batch.hp_k.shape[0], batch.hp_k.shape[2]) if batch.hp_k.dim() == 4 else (-1, -1)
+        expect_input(batch.hp_k, "hp_k", torch.bfloat16, (slots, Hkv, HP, D), dev)
+        expect_input(batch.hp_v, "hp_v", torch.bfloat16, (slots, Hkv, HP, D), dev)
+        expect_input(batch.hp_len, "hp_len", torch.int32, (B,), dev)
+        expect_input(batch.hp_slot, "hp_slot", torch.int32, (B,), dev)
+        if q.device != dev:
+            raise KVInputError(f"q is on {q.device}, the attention module on {dev}")
+        if layer.k_codes.stride(0) >= 2**32:  # the decode kernel's page strides are 32-bit
+            raise KVInputError(f"a page of {layer.k_codes.stride(0)} code words exceeds the kernel's 2^32")
+        if layer.v_layout != self.v_layout:
+            raise KVInputError(
+                f"value pages in the {layer.v_layout!r} layout, the module reads {self.v_layout!r}"
+            )
+
+    def check_tables(self, layer: Fp2Layer, batch: DecodeBatch) -> None:
+        """Page ids and lengths against the pool (synchronises). Raises KVInputError."""
+        P, NP = self.page_size, layer.k_codes.shape[0]
+        lens = batch.fp2_len.cpu()
+        if int(lens.min()) < 0 or int(lens.max()) > self.max_fp2_tokens:
+            raise KVInputError(f"fp2_len outside [0, {self.max_fp2_tokens}]: {lens.tolist()}")
+        if int(lens.max()) > batch.block_table.shape[1] * P:
+            raise KVInputError(
+                f"fp2_len {int(lens.max())} needs more than {batch.block_table.shape[1]} pages"
+            )
+        hp = batch.hp_len.cpu()
+        if int(hp.min()) < 0 or int(hp.max()) > batch.hp_k.shape[2]:
+            raise KVInputError(f"hp_len outside [0, {batch.hp_k.shape[2]}]: {hp.tolist()}")
+        hs = batch.hp_slot.cpu()
+        if int(hs.min()) < 0 or int(hs.max()) >= batch.hp_k.shape[0]:
+            raise KVInputError(f"hp_slot outside [0, {batch.hp_k.shape[0]}): {hs.tolist()}")
+        lv = layer.levels.cpu()
+        if not bool((lv.to(torch.float8_e5m2).float() == lv).all()):
+            raise KVInputError(
+                f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"
+            )
+        if self.on_gpu and self.key_s8 and not int8_key_levels(lv[:4]):
+            raise KVInputError(
+                f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
+                f"{lv[:4].tolist()}; build the attention with key_s8=False"
+            )
+        if self.v_layout == "quad" and self.scale_dtype == "e8m0":
+            # the quad path multiplies P (<= 2^7) by the value scale in fp16 and clamps E8M0 to 2^8
+            top = int(layer.v_scales.max()) - 127
+            if top > 8:
+                raise KVInputError(
+                    f"an E8M0 value scale of 2^{top} exceeds the quad kernel's 2^8 "
+                    "(value blocks beyond 256 times the largest level in the unit-RMS stored space)"
+                )
+        table = batch.block_table.cpu()
+        for b, n in enumerate(lens.tolist()):
+            used = table[b, : (n + P - 1) // P]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NP):
+                raise KVInputError(f"sequence {b}: page ids {used.tolist()} outside the pool of {NP} pages")
+
+    def __call__(
+        self, q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch, max_len: int | None = None
+    ) -> torch.Tensor:
+        """Attention of q [B, Hq, D] (stored key space) -> [B, Hq, D] fp32 (stored value space).
+
+        max_len: a host-side bound on fp2_len (default: max_fp2_tokens); it sizes the grid, so under
+        CUDA-graph capture pass the bound the graph must serve. A sequence longer than the grid
+        covers gets NaN outputs (the merge kernel's check), never attention over part of it. On GPU the result is a view of a
+        preallocated buffer, overwritten by the next call.
+        """
+        self.check(q, layer, batch)
+        if not self.on_gpu:
+            return reference_decode(q, layer, batch, self.softmax_scale, self.scale_dtype)
+        B = q.shape[0]
+        num_splits, split_tokens = self.plan(B, self.max_fp2_tokens if max_len is None else max_len)
+        if num_splits > self.max_splits:
+            raise KVInputError(
+                f"max_len {max_len} needs {num_splits} splits, workspace has {self.max_splits}"
+            )
+        q16 = self.q16[:B]
+        torch.mul(q, self.softmax_scale * LOG2E, out=q16)
+        o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
+        k = self.kernels
+        k.decode(
+            q16, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales, layer.levels,
+            batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
+        )  # fmt: skip
+        k.merge(
+            o_part, ml_part, lo, batch.fp2_len, split_tokens, num_splits, q16, batch.hp_k, batch.hp_v, batch.hp_len,
+            batch.hp_slot, out,
+        )  # fmt: skip
+        return out
