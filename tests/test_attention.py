@@ -51,6 +51,23 @@ def test_decode_variants_compile_for_sm90(cfg: Fp2KernelConfig) -> None:
     assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
 
 
+def test_selector_halves_pass_through_hi16_bit_for_bit() -> None:
+    """hi16 (attn_fp2_common.cuh) brings a selector's high half down with one fp16 add of -0; that
+    is exact only for finite patterns. Every half the three expansions build: e5m2 bytes
+    (c << 4) | 4, int8-key nibbles c (bytes 0x00..0x33), fp16-table bytes c * 0x22 + 0x10."""
+    import numpy as np
+
+    e5m2 = [(c << 4) | 4 for c in range(4)]
+    nibbles = [(a << 4) | b for a in range(4) for b in range(4)]
+    f16 = [c * 0x22 + 0x10 for c in range(4)]
+    halves = np.array(
+        [(hi << 8) | lo for byte_set in (e5m2, nibbles, f16) for hi in byte_set for lo in byte_set], dtype=np.uint16
+    )  # fmt: skip
+    x = halves.view(np.float16)
+    assert np.isfinite(x).all()
+    assert ((x + np.float16(-0.0)).view(np.uint16) == halves).all()
+
+
 def test_int8_key_levels() -> None:
     from zerodram.runtime.attention import int8_key_levels
     from zerodram.runtime.kv.levels import named_levels
