@@ -68,6 +68,25 @@ def test_selector_halves_pass_through_hi16_bit_for_bit() -> None:
     assert ((x + np.float16(-0.0)).view(np.uint16) == halves).all()
 
 
+def test_int8_partials_read_as_fp32_through_the_magic_start() -> None:
+    """With paired query terms the IMMA accumulators start at the bits of 1.5 * 2^23 (kScoreMagic in
+    attn_fp2_decode_compute.cuh): read as fp32 they are 1.5 * 2^23 + partial exactly while
+    |partial| < 2^22 (the kernel's are < 2^20: 64 channels x |q| <= 64 x |k| <= 127), and one FMA
+    with -1.5 * 2^23 * scale gives partial * scale rounded once, for any E4M3 scale."""
+    import numpy as np
+
+    magic = 0x4B400000
+    partials = np.array([0, 1, -1, 2**20 - 1, -(2**20), 2**22 - 1, -(2**22), 123457, -98765], dtype=np.int64)
+    f = ((magic + partials) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    assert (f.astype(np.float64) == 1.5 * 2**23 + partials).all()
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # positive E4M3
+    for sc in np.concatenate([scales, scales * 128]):  # the hi lanes' scales carry the term 128
+        msc = np.float32(-12582912.0) * np.float32(sc)
+        assert float(msc) == -12582912.0 * float(sc)  # exact: sc has <= 4 significant bits
+        fma = np.float32(f.astype(np.float64) * float(sc) + float(msc))  # exact product and sum, one rounding
+        assert (fma == (partials * float(sc)).astype(np.float32)).all()
+
+
 def test_int8_key_levels() -> None:
     from zerodram.runtime.attention import int8_key_levels
     from zerodram.runtime.kv.levels import named_levels
