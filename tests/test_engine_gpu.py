@@ -161,7 +161,7 @@ def test_gpu_bf16_weights_route_experts_through_the_kernel_in_graphs_and_eager()
     captured, take the routed decode expert kernel (`RoutedLocalExperts`); graphs and eager must give
     the same tokens, and most tokens must match the fp32-weight engine (bf16 weights: a near-tie on
     a random model may part)."""
-    from zerodram.runtime.model.ep import RoutedLocalExperts
+    from zerodram.runtime.model.local_experts import RoutedLocalExperts
 
     model = "random:tiny-moe"
     eager, e_engine = _greedy(model, CUDA, PROMPTS, 16, "bf16", dtype="bf16")

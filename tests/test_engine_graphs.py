@@ -16,13 +16,8 @@ from zerodram.runtime.engine.engine import Engine
 from zerodram.runtime.engine.graphs import DecodeGraphs, bucket_sizes
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.loading.random_init import random_weights
-from zerodram.runtime.model.ep import (
-    AllGatherEP,
-    DenseLocalExperts,
-    LocalExperts,
-    RoutedLocalExperts,
-    capturable_ep,
-)
+from zerodram.runtime.model.ep import AllGatherEP, capturable_ep
+from zerodram.runtime.model.local_experts import DenseLocalExperts, LocalExperts, RoutedLocalExperts
 from zerodram.runtime.model.named import NAMED_CONFIGS
 from zerodram.runtime.model.transformer import Transformer
 

@@ -3,7 +3,8 @@
 from zerodram.runtime.engine import Engine, EngineConfig, SamplingParams, build_engine
 """
 
-from zerodram.runtime.engine.engine import Engine, EngineConfig, StepStats
+from zerodram.runtime.engine.config import EngineConfig, StepStats
+from zerodram.runtime.engine.engine import Engine
 from zerodram.runtime.engine.request import RequestOutput, SamplingParams, TokenEvent
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 

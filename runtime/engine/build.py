@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from zerodram.runtime.engine.engine import Engine, EngineConfig, StepStats
+from zerodram.runtime.engine.config import EngineConfig, StepStats
+from zerodram.runtime.engine.engine import Engine
 from zerodram.runtime.loading.checkpoint import ModelSpec, RankModel, load_for_rank
 from zerodram.runtime.model.ep import ExpertParallelWorld
 from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer

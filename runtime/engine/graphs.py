@@ -372,7 +372,7 @@ class DecodeGraphs:
     def dense_moe_layers(model: Transformer) -> list[int]:
         """MoE layers whose capturable experts run every expert on every row (`DenseLocalExperts`)
         while a token picks fewer than all: a graph would cost them E / K times the expert work."""
-        from zerodram.runtime.model.ep import DenseLocalExperts
+        from zerodram.runtime.model.local_experts import DenseLocalExperts
 
         return [
             layer.idx

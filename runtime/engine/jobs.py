@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any
 
-from zerodram.runtime.engine.engine import EngineConfig
+from zerodram.runtime.engine.config import EngineConfig
 from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError

@@ -27,7 +27,8 @@ from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.model.attention import PagedAttention
 from zerodram.runtime.model.batch import ForwardBatch
 from zerodram.runtime.model.config import ModelConfig
-from zerodram.runtime.model.ep import ExpertParallel, LocalExperts
+from zerodram.runtime.model.ep import ExpertParallel
+from zerodram.runtime.model.local_experts import LocalExperts
 from zerodram.runtime.model.moe import ExpertWeights, Router, SharedExpert, swiglu
 from zerodram.runtime.model.rope import Rope
 from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer

@@ -1,0 +1,62 @@
+"""What an engine is configured with (`EngineConfig`) and what one of its steps reports (`StepStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zerodram.runtime.engine.calibration import CALIB_TOKENS
+from zerodram.runtime.engine.scheduler import SchedulerConfig
+from zerodram.runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kv_format: "fp2[:options]", "fp8", "bf16", "fp16" or "fp32"; num_kv_pages x page_size tokens
+    per rank. cuda_graphs: capture the decode step on GPU (ignored on CPU; see docs/engine.md):
+    True captures or raises; "auto" captures where graphs serve (no MoE layer whose experts a
+    graph would run dense; across ranks, NVSHMEM expert parallelism) and otherwise decodes eagerly;
+    a failed capture falls back to eager on one rank and raises across ranks (capture is collective).
+    fused_decode: FP2 decode rows run the fused decode attention when the kernels read the format
+    (False: read the pages back and run SDPA, the reference path).
+    kv_calibration: "auto" (compute the FP2 constants at construction when the format needs them),
+    "none", or a file saved earlier; kv_calibration_tokens: prefill length of "auto";
+    kv_calibration_save: write the constants there (runtime/engine/calibration.py)."""
+
+    kv_format: str = "bf16"
+    num_kv_pages: int = 512
+    page_size: int = 32
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None
+    cuda_graphs: bool | str = False
+    fused_decode: bool = True
+    kv_calibration: str = "auto"
+    kv_calibration_tokens: int = CALIB_TOKENS
+    kv_calibration_save: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_kv_pages < 1 or self.page_size < 1:
+            raise ConfigError(
+                f"num_kv_pages and page_size must be >= 1, got {self.num_kv_pages}, {self.page_size}"
+            )
+        if self.kv_calibration_tokens < 1 or not self.kv_calibration:
+            raise ConfigError(
+                f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
+                f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did on this rank (the metrics module publishes these)."""
+
+    step_idx: int
+    num_decode: int
+    num_prefill_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    num_sampled: int
+    kv_stored_bytes: int
+    kv_bf16_bytes: int
+    seconds: float
