@@ -224,8 +224,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
 
   // Warp w handles stages w, w + NUM_WARPS, ...; its k-th stage sits in ring slot k % STAGES.
-#pragma unroll
   static_assert(STAGES <= 32, "the prologue stays inside the first page chunk");
+#pragma unroll
   for (int k = 0; k < STAGES - 1; ++k) issue(k, k);
   int k = 0;
   for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {

@@ -102,7 +102,6 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
       float sc[NBK];
       key_scales(st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK, key.term, sc);
-#pragma unroll
       // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
       if constexpr (kPairTerms) {
         // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
