@@ -98,7 +98,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels in the permuted
   // K order.
   KeyOps key;
-  float score_inv[2] = {1.f, 1.f};  // KEY_S8: Softmax::inv
+  Softmax sm;  // the query block below sets its inv (KEY_S8)
+  sm.m[0] = sm.m[1] = ZD_NEG_INF;
+  sm.l[0] = sm.l[1] = 0.f;
   {
     // B column g: head g, or with kPairTerms head g % 4's hi (g < 4) or lo (g >= 4) term
     const int qhead = kPairTerms ? (g & 3) : g;
@@ -130,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2)
     const int col_head = kPairTerms ? 2 * (t & 1) : 2 * t;
     key.term = kPairTerms && t < 2 ? 0x58005800u : 0x3c003c00u;  // half2(128, 128) : half2(1, 1)
-    score_inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head);
-    score_inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4);
+    sm.inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head);
+    sm.inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4);
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
@@ -212,13 +214,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     cp_async_commit();  // empty groups keep the wait count uniform
   };
 
-  Softmax sm;
-  sm.m[0] = sm.m[1] = ZD_NEG_INF;
-  sm.l[0] = sm.l[1] = 0.f;
-#if KEY_S8
-  sm.inv[0] = score_inv[0];
-  sm.inv[1] = score_inv[1];
-#endif
   float oacc[NKS][4];
 #pragma unroll
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;

@@ -16,8 +16,8 @@ constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query term
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
 // m16n8k32 int8 x int8 -> int32. Each head's query is scaled by a power of two c (largest |q c| in [32, 64))
 // and split into two int8 terms, q c ~ hi + lo / 128, so q c * 128 is an integer of up to 13 bits
-// (fp16 q has 11): two IMMAs per k32 step, combined in int32 (hi * 128 + lo), converted once, and
-// multiplied by the block's key scale / (c * f * 128).
+// (fp16 q has 11): two IMMAs per k32 step, combined in int32 (hi * 128 + lo), converted once and
+// multiplied by the block's key scale; the softmax applies 1 / (c * f * 128) (Softmax::inv).
 // Lane t supplies word 4j + t of its rows for k32 steps 2j (codes 0,2,.. / 8,10,..) and 2j + 1
 // (codes 1,3,.. / 9,11,..): k32 step ks, k index kk (0..31) is channel k8_channel(ks, kk).
 // With GROUP <= 4 the two query terms share one IMMA (kPairTerms): columns 0..3 of the B operand

@@ -7,8 +7,7 @@
 // executing OP_A for even i and OP_B for odd i, ITERS times. The CTA's time is the last warp's end
 // minus the first warp's start (clock64), so the scheduler's preference for older warps does not
 // bias it.
-#include <cuda/std/cstdint>
-using cuda::std::uint32_t;
+#include "attn_fp2_common.cuh"  // hi16 and e4m3x2_lo: the decode kernel's own helpers are measured
 
 #ifndef OP_A
 #define OP_A 0
@@ -28,13 +27,10 @@ __device__ __forceinline__ void op(uint32_t& x, uint32_t y, uint32_t k) {
   if constexpr (OP == 1) asm volatile("prmt.b32 %0, %0, %1, %2;" : "+r"(x) : "r"(k), "r"(y));  // PRMT
   if constexpr (OP == 2) asm volatile("mad.lo.u32 %0, %0, %1, %2;" : "+r"(x) : "r"(k), "r"(y));  // IMAD
   if constexpr (OP == 3) asm volatile("mad.hi.u32 %0, %0, %1, %2;" : "+r"(x) : "r"(k), "r"(y));  // IMAD.HI
-  if constexpr (OP == 4)  // HADD2 R, R.H1_H1, -RZ (hi16 in attn_fp2_common.cuh)
-    asm volatile("{.reg .b16 l, h, z; mov.b32 {l, h}, %0; mov.b16 z, 0x8000; add.rn.f16 l, h, z; mov.b32 %0, {l, l};}"
-                 : "+r"(x));
+  if constexpr (OP == 4) x = zd::hi16(x);  // HADD2 R, R.H1_H1, -RZ
   if constexpr (OP == 5) asm volatile("fma.rn.f32 %0, %0, %1, %2;" : "+r"(x) : "r"(0x3f800001u), "r"(y));  // FFMA
   if constexpr (OP == 6) asm volatile("cvt.rn.f32.s32 %0, %0;" : "+r"(x));  // I2FP.F32.S32
-  if constexpr (OP == 7)  // F2FP.F16.E4M3.UNPACK_B
-    asm volatile("{.reg .b16 l, h; mov.b32 {l, h}, %0; cvt.rn.f16x2.e4m3x2 %0, l;}" : "+r"(x));
+  if constexpr (OP == 7) x = zd::e4m3x2_lo(x);  // F2FP.F16.E4M3.UNPACK_B
   if constexpr (OP == 8) asm volatile("max.f32 %0, %0, %1;" : "+r"(x) : "r"(y));  // FMNMX
   if constexpr (OP == 9) asm volatile("shf.r.wrap.b32 %0, %0, %1, %2;" : "+r"(x) : "r"(y), "r"(k));  // SHF.R.W
 }
