@@ -129,11 +129,8 @@ class Fp2Kernels:
     ) -> None:
         B, Hkv, P = q.shape[0], k_codes.shape[1], k_codes.shape[2]
         args = (
-            ptr(q), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales),
-            np.uint32(k_codes.stride(0)), np.uint32(k_codes.stride(1)),  # < 2^32: Fp2DecodeAttention.check
-            np.uint32(k_scales.stride(0)), np.uint32(k_scales.stride(1)),
-            np.uint32(v_scales.stride(0)), np.uint32(v_scales.stride(1)),
-            ptr(levels), ptr(block_table), np.int32(block_table.stride(0)), np.int32(P),
+            # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
+            ptr(q), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels), ptr(block_table), np.int32(block_table.stride(0)), np.int32(P),
             ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(o_part.shape[2]),
             ptr(o_part), ptr(ml_part),
         )  # fmt: skip

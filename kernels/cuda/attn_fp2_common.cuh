@@ -93,6 +93,14 @@ ZD_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
+// p, computed once and kept in a register: the compiler cannot see through the asm, so it neither
+// splits it back into uniform base + lane offset nor recomputes it inside a loop.
+template <typename T>
+ZD_DEVICE T* pinned(T* p) {
+  uint64_t x;
+  asm volatile("mov.b64 %0, %1;" : "=l"(x) : "l"(reinterpret_cast<uint64_t>(p)));
+  return reinterpret_cast<T*>(x);
+}
 ZD_DEVICE uint32_t h2_as_u32(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 ZD_DEVICE __half2 u32_as_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 

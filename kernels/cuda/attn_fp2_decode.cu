@@ -63,10 +63,10 @@
 #include "attn_fp2_decode_compute.cuh"
 
 // q        [B, Hq, D] fp16: rotated, anchor-folded, times softmax_scale * log2(e)
-// k_codes  page pool of key code words: page p, kv head h, slot j at
-//          k_codes + p * code_page_stride + h * code_head_stride + j * D/16 (words)
-// k_scales key scale bytes at k_scales + p * ks_page_stride + h * ks_head_stride + j * NBK
-// v_codes / v_scales: the same for values (same code strides; own scale strides)
+// k_codes  page pool [NP, Hkv, P, D/16] of key code words, dense: page p, kv head h, slot j is pool
+//          row (p * Hkv + h) * P + j, at k_codes + row * D/16 (words); NP * Hkv * P < 2^32
+// k_scales [NP, Hkv, P, NBK] key scale bytes, dense: row's at k_scales + row * NBK
+// v_codes / v_scales: the same for values
 // levels   [8] fp32: 4 key levels then 4 value levels (fp16-exact)
 // block_table [B, bt_stride] int32 page ids over FP2 token index (token f in page f / P, slot f % P)
 // fp2_lo / fp2_hi [B] int32: the FP2 tokens [lo, hi) to attend to
@@ -75,9 +75,7 @@
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attn_fp2_decode(const __half* __restrict__ q, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
-                    const uint8_t* __restrict__ v_scales, uint32_t code_page_stride,
-                    uint32_t code_head_stride, uint32_t ks_page_stride, uint32_t ks_head_stride,
-                    uint32_t vs_page_stride, uint32_t vs_head_stride, const float* __restrict__ levels,
+                    const uint8_t* __restrict__ v_scales, const float* __restrict__ levels,
                     const int32_t* __restrict__ block_table, int bt_stride, int page_size,
                     const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
                     int max_splits, float* __restrict__ o_part, float* __restrict__ ml_part) {
@@ -173,43 +171,38 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
-  // Page ids of the warp's stages, prefetched 32 stages at a time: lane l of `pages_cur` holds the
-  // page of the warp's local stage 32c + l (chunk c), `pages_next` those of chunk c + 1, and
-  // `slots_*` the stage's first slot in that page. Reading the block table right before each
+  // Pool rows of the warp's stages, prefetched 32 stages at a time: lane l of `rows_cur` holds the
+  // pool row (page * Hkv + kvh) * P + slot of the first token of the warp's local stage 32c + l
+  // (chunk c), `rows_next` those of chunk c + 1. Reading the block table right before each
   // cp.async would stall the warp on a dependent global load (an L2 round trip) every stage, and
   // the integer division by page_size costs ~25 instructions: both now happen once per chunk.
   const int32_t* bt = block_table + size_t(b) * bt_stride;
-  auto load_pages = [&](int chunk, int& page, int& slot) {
+  const uint32_t head_rows = uint32_t(kvh) * page_size, page_rows = uint32_t(num_kv_heads) * page_size;
+  auto load_rows = [&](int chunk) -> uint32_t {
     const int si = warp + (32 * chunk + lane) * NUM_WARPS;
     const int f = r_lo + si * TOK;  // first token of the stage
-    page = si < num_stages ? bt[f / page_size] : 0;
-    slot = f % page_size;
+    return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
   };
-  int pages_cur, slots_cur, pages_next, slots_next;
-  load_pages(0, pages_cur, slots_cur);
-  load_pages(1, pages_next, slots_next);
+  uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
   // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
-  // Called by the whole warp with the same j, in increasing order (the page chunks advance here).
-  // The lane's part of every stage's copies: its chunks' places in a stage, and its offsets inside
-  // a page (the strides are 32-bit, checked on the host, so a stage's global offsets are one wide
-  // multiply-add per run).
+  // Called by the whole warp with the same j, in increasing order (the row chunks advance here).
+  // The pools are dense, so a stage's four runs start at its pool row times the row's words or
+  // bytes: one wide multiply-add onto the lane's fixed pointer per run.
   const CopyPlan plan = copy_plan(lane);
   const uint32_t ring_addr = smem_addr(ring);
-  const uint32_t code_in_page = kvh * code_head_stride + 4 * lane;
-  const uint32_t ks_in_page = kvh * ks_head_stride + 16 * lane, vs_in_page = kvh * vs_head_stride + 16 * lane;
+  const uint32_t* kc_lane = pinned(k_codes + 4 * lane);
+  const uint32_t* vc_lane = pinned(v_codes + 4 * lane);
+  const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
+  const uint8_t* vs_lane = pinned(v_scales + 16 * lane);
   auto issue = [&](int j, int slot) {
     if (j > 0 && (j & 31) == 0) {
-      pages_cur = pages_next;
-      slots_cur = slots_next;
-      load_pages((j >> 5) + 1, pages_next, slots_next);
+      rows_cur = rows_next;
+      rows_next = load_rows((j >> 5) + 1);
     }
-    const uint32_t page = __shfl_sync(0xffffffffu, pages_cur, j & 31);
-    const uint32_t pos = __shfl_sync(0xffffffffu, slots_cur, j & 31);  // slot of the stage's first token
+    const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, j & 31);
     if (warp + j * NUM_WARPS < num_stages) {
-      const uint64_t cw = uint64_t(page) * code_page_stride + (code_in_page + pos * WPR);  // code words
-      load_stage(ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, k_codes + cw, v_codes + cw,
-                 k_scales + (uint64_t(page) * ks_page_stride + (ks_in_page + pos * NBK)),
-                 v_scales + (uint64_t(page) * vs_page_stride + (vs_in_page + pos * NBV)));
+      load_stage(ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, kc_lane + size_t(row) * WPR,
+                 vc_lane + size_t(row) * WPR, ks_lane + size_t(row) * NBK, vs_lane + size_t(row) * NBV);
     }
     cp_async_commit();  // empty groups keep the wait count uniform
   };

@@ -163,8 +163,8 @@ class Fp2DecodeAttention:
         expect_input(batch.hp_slot, "hp_slot", torch.int32, (B,), dev)
         if q.device != dev:
             raise KVInputError(f"q is on {q.device}, the attention module on {dev}")
-        if layer.k_codes.stride(0) >= 2**32:  # the decode kernel's page strides are 32-bit
-            raise KVInputError(f"a page of {layer.k_codes.stride(0)} code words exceeds the kernel's 2^32")
+        if NP * Hkv * P >= 2**32:  # the decode kernel addresses token rows of the pool in 32 bits
+            raise KVInputError(f"a pool of {NP} pages x {Hkv} heads x {P} slots holds 2^32 token rows or more")
         if layer.v_layout != self.v_layout:
             raise KVInputError(
                 f"value pages in the {layer.v_layout!r} layout, the module reads {self.v_layout!r}"
