@@ -8,8 +8,8 @@ Hkv = 8 kv heads, D = 128, P = 64 page size.
 
 Timing: each launch sequence is captured once in a CUDA graph (as the engine's decode step runs)
 and replayed; CUDA events around each replay, a 256 MB L2 flush (a read) before every repetition, warm-up,
-medians. The same for the FP16 baseline. FP2 = decode + merge kernels (q scaling included; the [D, D] rotations of q and
-the output are not, see docs/benchmarks.md). FP16 = `F.scaled_dot_product_attention(q, k, v,
+medians. The same for the FP16 baseline. FP2 = the one decode kernel (q scaling, the bf16 tokens and
+the merge included; the [D, D] rotations of q and the output are not, see docs/benchmarks.md). FP16 = `F.scaled_dot_product_attention(q, k, v,
 enable_gqa=True)` on contiguous [B, H, L, D] tensors (no paging). torch has no FP8-KV attention
 path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel: one token per
 sequence (decode append) and a 32-token tail flush per sequence, alone, and the append's added
@@ -87,16 +87,6 @@ def _case(
         if "fp2_ms" not in row or ms < row["fp2_ms"]:
             row["fp2_ms"], row["fp2_config"], row["splits"] = ms, name, att.plan(B, L)[0]
             best, best_layer = att, vl_layer
-    # The merge pass alone (bf16 sinks/tail + split partials), on the best variant's last output.
-    num_splits, split_tokens = best.plan(B, L)
-    row["merge_ms"] = median_ms(
-        lambda: best.kernels.merge(
-            best.o_part[:B], best.ml_part[:B], best.zeros[:B], batch.fp2_len, split_tokens, num_splits,
-            best.q16[:B], batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, best.out[:B],
-        ),
-        args.reps,
-        flush,
-    )  # fmt: skip
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
     row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
     writer = Fp2Writer(head_dim=D, device=dev, v_layout=best_layer.v_layout)
@@ -165,13 +155,13 @@ def run(args: argparse.Namespace) -> int:
     nan = float("nan")
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
-        f"{'GB/s':>6} {'speedup':>7} {'merge us':>8} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10}"
+        f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10}"
     )
     for r in rows:
         print(
             f"{r['B']:>3} {r['L']:>7} {r['fp2_config']:>7} {r['splits']:>6} {r['fp2_ms']:>8.4f} "
             f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
-            f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x {1e3 * r['merge_ms']:>8.1f} "
+            f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
         )
     return 0

@@ -18,7 +18,7 @@ runs the decode step of B sequences whose KV already holds L tokens each, in fou
 Two paths, each on its own KV and communicator, the same weights and inputs:
 
     fp2-fused  KV as FP2 pages (2-bit codes, e4m3 scales per 64 channels, 32 bf16 tail tokens + 4
-               sinks) read by the fused decode + merge kernels (on CPU: their torch reference);
+               sinks) read by the fused decode kernel (on CPU: its torch reference);
                router and dispatch in one NVSHMEM kernel (`--fused-backend`, GPU with nvshmem4py;
                otherwise the host path, and the output says so in `dispatch`)
     bf16-host  KV as contiguous bf16 [B, Hkv, L, Dh] read by SDPA (no paging: a generous

@@ -21,6 +21,7 @@ from zerodram.kernels.module import launch, load_module, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
+HP_CHUNK = 64  # bf16 tokens the decode kernel's bf16 CTA stages at a time (kHpChunk)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class Fp2KernelConfig:
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
     key_s8: bool = False  # keys through int8 MMAs (k_block >= 64); Fp2DecodeAttention picks it by default
     v_quad: bool = False  # value pages in the quad layout, value scales on P (v_block >= 16)
+    # The decode kernel's register cap, passed to ptxas explicitly: without one (NVRTC / nvcc 13.0)
+    # ptxas squeezed the kernel to ~117-128 registers by recomputing every lane's shared-memory
+    # offsets each stage (674 instructions in the main loop against 564 with a cap of 255).
+    max_registers: int = 255
 
     def defines(self) -> dict[str, int]:
         return {
@@ -55,20 +60,28 @@ class Fp2KernelConfig:
     def build_options(self, kernel: str) -> BuildOptions:
         keep = {
             "attn_fp2_decode": self.defines().keys(),
-            "attn_fp2_merge": ("HEAD_DIM", "GROUP"),
             "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD"),
         }[kernel]
         d = self.defines()
-        return BuildOptions.make(arch="sm_90", defines={k: d[k] for k in keep}, extra=("-lineinfo",))
+        extra = ("-lineinfo", f"-maxrregcount={self.max_registers}") if kernel == "attn_fp2_decode" else ("-lineinfo",)
+        return BuildOptions.make(arch="sm_90", defines={k: d[k] for k in keep}, extra=extra)
 
     @property
     def decode_smem_bytes(self) -> int:
-        """Dynamic shared memory of attn_fp2_decode: the warps' stage rings (reused for the combine)."""
-        d = self.head_dim
+        """Dynamic shared memory of attn_fp2_decode: the warps' stage rings, reused for the combine,
+        by the bf16 CTA (attn_fp2_decode_merge.cuh, kHpSmemFloats) and by the merge (its weights,
+        `merge_smem_bytes`, checked per launch)."""
+        d, g = self.head_dim, self.group
         stage = 2 * TOKENS_PER_STAGE * d // 4 + TOKENS_PER_STAGE * (d // self.k_block + d // self.v_block)
         ring = self.num_warps * self.stages * stage
         combine = 4 * self.num_warps * 8 * (d + 2)
-        return max(ring, combine)
+        bf16 = 4 * (g * d + g * HP_CHUNK + ((3 * g + 3) & ~3) + HP_CHUNK * d)  # kHpSmemFloats
+        return max(ring, combine, bf16)
+
+    def merge_smem_bytes(self, max_splits: int) -> int:
+        """Shared memory the last CTA of a row merges in: a weight per head and partial (at most
+        max_splits of them: the FP2 splits and the bf16 slot) and 1 / l per head."""
+        return 4 * self.group * (max_splits + 1)
 
 
 class Fp2Kernels:
@@ -89,12 +102,6 @@ class Fp2Kernels:
         )
 
     @cached_property
-    def _merge(self):
-        return load_module("attn_fp2_merge", self.cfg.build_options("attn_fp2_merge")).kernel(
-            "attn_fp2_merge"
-        )
-
-    @cached_property
     def _write(self):
         return load_module("attn_fp2_write", self.cfg.build_options("attn_fp2_write")).kernel(
             "attn_fp2_write"
@@ -102,7 +109,7 @@ class Fp2Kernels:
 
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""
-        _ = self._decode, self._merge, self._write
+        _ = self._decode, self._write
 
     def decode_ctas_per_sm(self) -> int:
         """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
@@ -113,9 +120,10 @@ class Fp2Kernels:
 
     def decode(
         self,
-        q: torch.Tensor,  # [B, Hq, D] fp16, pre-scaled
-        k_codes: torch.Tensor,  # [NP, Hkv, P, D/16] int32
-        k_scales: torch.Tensor,  # [NP, Hkv, P, NBK] uint8
+        q: torch.Tensor,  # [B, Hq, D] fp32, stored key space
+        q_scale: float,  # softmax_scale * log2(e)
+        k_codes: torch.Tensor,  # [NP, Hkv, P, D/16] int32, dense, NP * Hkv * P < 2^32
+        k_scales: torch.Tensor,  # [NP, Hkv, P, NBK] uint8, dense
         v_codes: torch.Tensor,
         v_scales: torch.Tensor,
         levels: torch.Tensor,  # [8] fp32
@@ -124,52 +132,34 @@ class Fp2Kernels:
         fp2_hi: torch.Tensor,  # [B] int32
         split_tokens: int,
         num_splits: int,
-        o_part: torch.Tensor,  # [B, Hq, S, D] fp32
-        ml_part: torch.Tensor,  # [B, Hq, S, 2] fp32
-    ) -> None:
-        B, Hkv, P = q.shape[0], k_codes.shape[1], k_codes.shape[2]
-        args = (
-            # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
-            ptr(q), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels), ptr(block_table), np.int32(block_table.stride(0)), np.int32(P),
-            ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(o_part.shape[2]),
-            ptr(o_part), ptr(ml_part),
-        )  # fmt: skip
-        launch(
-            self._decode, grid=(num_splits, Hkv, B), block=(32 * self.cfg.num_warps,), args=args,
-            shared_mem=self.cfg.decode_smem_bytes,
-        )  # fmt: skip
-
-    def merge(
-        self,
-        o_part: torch.Tensor,
-        ml_part: torch.Tensor,
-        fp2_lo: torch.Tensor,
-        fp2_hi: torch.Tensor,
-        split_tokens: int,
-        num_splits: int,  # the decode launch's grid.x
-        q: torch.Tensor,
+        o_part: torch.Tensor,  # [B, Hq, S, D] fp32 workspace, S > num_splits (slot num_splits: bf16 tokens)
+        ml_part: torch.Tensor,  # [B, Hq, S, 2] fp32 workspace
         hp_k: torch.Tensor,  # [num_slots, Hkv, HP, D] bf16, row hp_slot[b] for sequence b
         hp_v: torch.Tensor,
         hp_len: torch.Tensor,  # [B] int32
         hp_slot: torch.Tensor,  # [B] int32 row of hp_k / hp_v
-        out: torch.Tensor,  # [B, Hq, D] fp32
+        row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
+        out: torch.Tensor,  # [B, Hq, D] fp32, normalised
     ) -> None:
-        B, Hkv, S = q.shape[0], hp_k.shape[1], o_part.shape[2]
-        hp_max = hp_k.shape[2]
-        floats = self.cfg.group * (S + hp_max) + self.cfg.group * self.cfg.head_dim + self.cfg.group
-        smem = 4 * ((floats + 3) & ~3) + 2 * hp_max * self.cfg.head_dim  # + the staged bf16 keys
-        if smem > 48 * 1024:
-            raise ValueError(
-                f"merge needs {smem} B of shared memory (splits {S}, bf16 tokens {hp_max}): over 48 KB"
-            )
+        B, Hkv = q.shape[0], k_codes.shape[1]
+        S = o_part.shape[2]
+        smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
+        if num_splits >= S or smem > 48 * 1024:
+            raise ValueError(f"{num_splits} splits need {num_splits + 1} workspace slots and {smem} B of shared memory; have {S}, 48 KB")
         args = (
-            ptr(o_part), ptr(ml_part), ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens),
-            np.int32(num_splits), np.int32(S),
-            ptr(q), ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot),
-            np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)), np.int32(hp_max), ptr(out),
+            # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
+            ptr(q), np.float32(q_scale), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels),
+            ptr(block_table), np.int32(block_table.stride(0)), np.int32(k_codes.shape[2]),
+            ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(num_splits), np.int32(Hkv), np.int32(S),
+            ptr(o_part), ptr(ml_part),
+            ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
+            np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),
         )  # fmt: skip
-        grid = (Hkv, B, self.cfg.head_dim // 32)  # 32 output channels per CTA (attn_fp2_merge.cu)
-        launch(self._merge, grid=grid, block=(128,), args=args, shared_mem=smem)
+        launch(
+            # one dimension, the splits first (attn_fp2_decode.cu): the bf16 CTAs take what is left
+            self._decode, grid=((num_splits + 1) * Hkv * B,), block=(32 * self.cfg.num_warps,), args=args,
+            shared_mem=smem,
+        )  # fmt: skip
 
     def write(
         self,

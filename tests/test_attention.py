@@ -33,7 +33,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}{c.scale_dtype}")
-@pytest.mark.parametrize("kernel", ["attn_fp2_decode", "attn_fp2_merge", "attn_fp2_write"])
+@pytest.mark.parametrize("kernel", ["attn_fp2_decode", "attn_fp2_write"])
 def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
     assert compile_cubin(kernel, cfg.build_options(kernel))[:4] == b"\x7fELF"
 
@@ -262,6 +262,10 @@ def test_validation_names_both_sides() -> None:
     bad = DecodeBatch(batch.block_table.long(), *list(vars(batch).values())[1:])
     with pytest.raises(KVInputError, match=r"block_table must be torch.int32"):
         att(torch.randn(1, 8, 128), layer, bad)
+    with pytest.raises(KVInputError, match=r"q must be torch.float32"):  # the kernel reads q as it is
+        att(torch.randn(1, 8, 128).half(), layer, batch)
+    with pytest.raises(KVInputError, match=r"q must be contiguous"):
+        att(torch.randn(1, 128, 8).transpose(1, 2), layer, batch)
     oob = DecodeBatch(batch.block_table + 100, *list(vars(batch).values())[1:])
     with pytest.raises(KVInputError, match=r"outside the pool of 4 pages"):
         att.check_tables(layer, oob)
@@ -283,6 +287,11 @@ def test_plan_fills_whole_waves_and_respects_the_minimum_split() -> None:
         assert ctas / (waves * slots) >= 0.85, (B, splits, ctas)  # the last wave is nearly full
     assert att.plan(8, 131072)[0] == 8  # 512 of 528 slots, not 9 splits = 576 CTAs in two waves
     assert att.plan(1, 100) == (1, 128)
+    # Each row also has a short bf16 CTA: on the H200's 396 slots (3 CTAs per SM) B = 1 takes 48
+    # splits, so that 8 x 48 splits and the 8 bf16 CTAs all start at once (49 would leave 4 waiting).
+    att.cta_slots = 132 * 3
+    assert att.plan(1, 131072)[0] == 48
+    assert att.plan(8, 131072)[0] == 6  # 384 splits; the 64 bf16 CTAs wait, but 5 splits cost more
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -498,6 +507,33 @@ def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
     out = att(q, layer, batch, max_len=1024).clone()  # 1 split of 1024 tokens
     assert out[0].isnan().all()
     assert _rel(out[1], reference_decode(q, layer, batch, att.softmax_scale, "e4m3")[1]) < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_bf16_region_in_chunks_and_sequences_without_tokens(G: int) -> None:
+    """The row's bf16 CTA takes its tokens 32 at a time (100 here: four rounds); a sequence with
+    neither FP2 nor bf16 tokens gets zeros; and the per-row partial counts reset between launches
+    of different batch sizes (a stale count would leave a row unmerged: the poisoned NaN)."""
+    D, Hkv, P, dev = 128, 2, 64, "cuda"
+    lengths, hp = [700, 0, 2000, 0, 65], [100, 70, 33, 0, 32]
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gdev = torch.Generator(device=dev).manual_seed(G)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout="quad")
+    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, hp_max=100, device=dev, generator=gdev)
+    att = _module(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, v_layout="quad")
+    for B in (5, 3, 5, 1):
+        sub = DecodeBatch(*(t[:B] if t.dim() < 4 else t for t in vars(batch).values()))
+        q = torch.randn(B, G * Hkv, D, device=dev, generator=gdev)
+        for buf in (att.out, att.o_part, att.ml_part):
+            buf.fill_(float("nan"))
+        out = att(q, layer, sub, max_len=max(lengths[:B])).clone()
+        ref = reference_decode(q, layer, sub, att.softmax_scale, "e4m3")
+        for b in range(B):
+            if lengths[b] == 0 and hp[b] == 0:
+                assert (out[b] == 0).all(), b
+            else:
+                assert _rel(out[b], ref[b]) < 3e-3, (B, b, _rel(out[b], ref[b]))
 
 
 @pytest.mark.gpu

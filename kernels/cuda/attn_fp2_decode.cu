@@ -6,12 +6,14 @@
 // D head dim (64 | 128), P page size (tokens, multiple of 32), S splits per sequence,
 // NBK / NBV = D / K_BLOCK / D / V_BLOCK scale blocks per token.
 //
-// grid (S, Hkv, B), NUM_WARPS warps. CTA (s, h, b) covers FP2 tokens [lo + s * split_tokens, ...)
-// of sequence b (lo aligned down to 32), in stages of 32 tokens (never across a page: P % 32 == 0);
-// warp w takes stages w, w + NUM_WARPS, ... through its own STAGES-deep cp.async ring, so the main
-// loop needs no block barrier. Each warp keeps an online softmax per head; at the end the warps
-// are combined through shared memory and the CTA writes its unnormalised partial output and
-// (max, sum) to the split workspace; attn_fp2_merge adds the bf16 sinks/tail and normalises.
+// One launch does the whole attention. A row is one (sequence b, KV head h): S split CTAs over its
+// FP2 tokens and one bf16 CTA over its sinks and tail each write a partial, and the last of them
+// to finish merges the row's partials and normalises (attn_fp2_decode_merge.cuh). Split CTA s of
+// the row covers FP2 tokens [lo + s * split_tokens, ...) (lo aligned down to 32), in stages of 32
+// tokens (never across a page: P % 32 == 0); warp w takes stages w, w + NUM_WARPS, ... through
+// its own STAGES-deep cp.async ring, so the main loop needs no block barrier. Each warp keeps an
+// online softmax per head; at the end the warps are combined through shared memory and the CTA
+// writes its unnormalised partial output and (max, sum) to the split workspace.
 //
 // The MMAs are "swapped" (tokens and channels on M, heads on N = 8), so a group of <= 8 heads
 // wastes at most N padding, never 16-row M padding:
@@ -61,8 +63,9 @@
 // The stage (layout, permutations, copies) and its computation, split out for size.
 #include "attn_fp2_decode_stage.cuh"
 #include "attn_fp2_decode_compute.cuh"
+#include "attn_fp2_decode_merge.cuh"
 
-// q        [B, Hq, D] fp16: rotated, anchor-folded, times softmax_scale * log2(e)
+// q        [B, Hq, D] fp32 (stored key space: rotated, anchor-folded); q_scale = softmax_scale * log2(e)
 // k_codes  page pool [NP, Hkv, P, D/16] of key code words, dense: page p, kv head h, slot j is pool
 //          row (p * Hkv + h) * P + j, at k_codes + row * D/16 (words); NP * Hkv * P < 2^32
 // k_scales [NP, Hkv, P, NBK] key scale bytes, dense: row's at k_scales + row * NBK
@@ -70,23 +73,61 @@
 // levels   [8] fp32: 4 key levels then 4 value levels (fp16-exact)
 // block_table [B, bt_stride] int32 page ids over FP2 token index (token f in page f / P, slot f % P)
 // fp2_lo / fp2_hi [B] int32: the FP2 tokens [lo, hi) to attend to
-// o_part   [B, Hq, max_splits, D] fp32 unnormalised partial outputs (V channels in stored order)
+// o_part   [B, Hq, max_splits, D] fp32 unnormalised partial outputs (V channels in stored order);
+//          slots 0..S-1 the FP2 splits, slot S the bf16 tokens (max_splits > S)
 // ml_part  [B, Hq, max_splits, 2] fp32 (running max in log2 units, sum of exponentials)
+// hp_k / hp_v: bf16, token j of seq b, kv head h at + hp_slot[b] * hp_b_stride + h * hp_h_stride + j * D
+// hp_len   [B]: bf16 tokens of each sequence (rows 0..hp_len-1, at most hp_max); hp_slot [B]: its row
+// row_done [B, Hkv] int32, zero between launches: partials counted per row (finish_row)
+// out      [B, Hq, D] fp32, normalised (stored value space)
+// grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
+// i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
+// order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
-    attn_fp2_decode(const __half* __restrict__ q, const uint32_t* __restrict__ k_codes,
+    attn_fp2_decode(const float* __restrict__ q, float q_scale, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
                     const uint8_t* __restrict__ v_scales, const float* __restrict__ levels,
                     const int32_t* __restrict__ block_table, int bt_stride, int page_size,
                     const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
-                    int max_splits, float* __restrict__ o_part, float* __restrict__ ml_part) {
+                    int num_splits, int num_kv_heads, int max_splits, float* __restrict__ o_part,
+                    float* __restrict__ ml_part, const __nv_bfloat16* __restrict__ hp_k,
+                    const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
+                    const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max,
+                    int* __restrict__ row_done, float* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int num_kv_heads = gridDim.y, num_q_heads = num_kv_heads * GROUP;
+  const int num_q_heads = num_kv_heads * GROUP;
+  const int fp2_ctas = gridDim.x / (num_splits + 1) * num_splits;  // S CTAs of each of the B * Hkv rows
+  const bool bf16_cta = int(blockIdx.x) >= fp2_ctas;
+  const int row = bf16_cta ? blockIdx.x - fp2_ctas : blockIdx.x / num_splits;
+  const int kvh = row % num_kv_heads, b = row / num_kv_heads;
   const int lo = fp2_lo[b], hi = fp2_hi[b];
   const int base = lo & ~(TOK - 1);
+  const size_t head0 = size_t(b) * num_q_heads + kvh * GROUP;  // the row's first query head
+  // The row's bookkeeping for finish_row, derived again where it is used rather than kept in
+  // registers across the main loop (the range is read again through L2, so the compiler cannot
+  // keep the first read alive instead).
+  auto finish = [&](int row) {
+    const int b = row / num_kv_heads, lo = __ldcg(fp2_lo + b), hi = __ldcg(fp2_hi + b);
+    const size_t head0 = size_t(row) * GROUP;  // == b * Hq + kvh * G
+    const int n_need = hi > lo ? (hi - (lo & ~(TOK - 1)) + split_tokens - 1) / split_tokens : 0;  // splits the range needs
+    // the FP2 CTAs of the row with work (n_run) and its bf16 CTA count themselves; the last merges
+    finish_row(row_done + row, min(n_need, num_splits), n_need > num_splits, num_splits,
+               RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
+               out + head0 * D, reinterpret_cast<float*>(smem_raw));
+  };
+  if (bf16_cta) {
+    const long long slot = hp_slot[b];
+    bf16_partial(q + head0 * D, q_scale, hp_k + slot * hp_b_stride + kvh * hp_h_stride,
+                 hp_v + slot * hp_b_stride + kvh * hp_h_stride, min(hp_len[b], hp_max),
+                 RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
+                 num_splits, reinterpret_cast<float*>(smem_raw));
+    finish(row);
+    return;
+  }
+  const int split = blockIdx.x % num_splits;
   const int r_lo = base + split * split_tokens;
   const int r_hi = min(hi, r_lo + split_tokens);
-  if (r_lo >= r_hi || lo >= hi) return;  // the merge kernel counts splits the same way
+  if (r_lo >= r_hi || lo >= hi) return;  // not counted: split >= n_run
   const int num_stages = (r_hi - r_lo + TOK - 1) / TOK;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -102,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   {
     // B column g: head g, or with kPairTerms head g % 4's hi (g < 4) or lo (g >= 4) term
     const int qhead = kPairTerms ? (g & 3) : g;
-    const __half* qh = q + (size_t(b) * num_q_heads + kvh * GROUP + min(qhead, GROUP - 1)) * D;
+    const float* qh = q + (head0 + min(qhead, GROUP - 1)) * D;
     const bool live = qhead < GROUP;
 #if KEY_S8
     float x[KS8][2][4];
@@ -113,15 +154,16 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
       for (int hl = 0; hl < 2; ++hl)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          x[ks][hl][e] = live ? __half2float(qh[k8_channel(ks, 16 * hl + 4 * t + e)]) : 0.f;
+          x[ks][hl][e] = live ? qh[k8_channel(ks, 16 * hl + 4 * t + e)] * q_scale : 0.f;
           mx = fmaxf(mx, fabsf(x[ks][hl][e]));
         }
 #pragma unroll
     // one scale per head (lanes 4g..4g+3 hold head g's channels): a head much smaller than the
     // group's largest keeps its own 13 bits
     for (int off = 1; off < 4; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    // c = 2^(5 - floor(log2 mx)); q arrives as fp16, so mx is 0 or a normal fp32 in [2^-24, 65504]
-    const int ex = mx > 0.f ? int((__float_as_uint(mx) >> 23) & 0xFFu) - 127 : 0;
+    // c = 2^(5 - floor(log2 mx)), the exponent held inside [-100, 100] so that c and 1 / (c f 128)
+    // stay normal fp32 (a head below 2^-100 rounds to zero terms: it adds nothing to any score)
+    const int ex = mx > 0.f ? min(max(int((__float_as_uint(mx) >> 23) & 0xFFu) - 127, -100), 100) : 0;
     const float c = __uint_as_float(uint32_t(127 + 5 - ex) << 23);
     const bool wide = fmaxf(fabsf(levels[0]), fabsf(levels[3])) >= 2.f;  // f = 32 instead of 64
     const float f = wide ? 32.f : 64.f;
@@ -158,9 +200,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     for (int ks = 0; ks < NKS; ++ks) {
 #pragma unroll
       for (int hl = 0; hl < 2; ++hl) {
-        const __half x0 = live ? qh[k_channel(ks, 8 * hl + 2 * t)] : __float2half(0.f);
-        const __half x1 = live ? qh[k_channel(ks, 8 * hl + 2 * t + 1)] : __float2half(0.f);
-        key.qf[ks][hl] = h2_as_u32(__halves2half2(x0, x1));
+        const float x0 = live ? qh[k_channel(ks, 8 * hl + 2 * t)] * q_scale : 0.f;
+        const float x1 = live ? qh[k_channel(ks, 8 * hl + 2 * t + 1)] * q_scale : 0.f;
+        key.qf[ks][hl] = pack_half2(x0, x1);
       }
     }
     key.kl01 = pack_half2(levels[0], levels[1]);
@@ -269,11 +311,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
       o += wt * red_o[(w * 8 + head) * D + ch];
       l += wt * red_l[w * 8 + head];
     }
-    const size_t row = (size_t(b) * num_q_heads + kvh * GROUP + head) * max_splits + split;
-    o_part[row * D + ch] = o;
+    const size_t slot = (size_t(blockIdx.x / num_splits) * GROUP + head) * max_splits + blockIdx.x % num_splits;
+    o_part[slot * D + ch] = o;
     if (ch == 0) {
-      ml_part[row * 2] = mx;
-      ml_part[row * 2 + 1] = l;
+      ml_part[slot * 2] = mx;
+      ml_part[slot * 2 + 1] = l;
     }
   }
+  finish(blockIdx.x / num_splits);
 }

@@ -109,12 +109,20 @@ class Fp2DecodeAttention:
             props = torch.cuda.get_device_properties(self.device)
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
             self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
+            slots = self.max_splits + 1  # the FP2 splits, then the bf16 tokens' partial
+            if cfg.merge_smem_bytes(slots) > cfg.decode_smem_bytes:
+                raise ConfigError(
+                    f"{self.max_splits} splits (max_fp2_tokens {max_fp2_tokens}) need more merge shared "
+                    f"memory than the decode kernel has ({cfg.decode_smem_bytes} B)"
+                )
             f32 = {"dtype": torch.float32, "device": self.device}
-            self.o_part = torch.empty(max_batch, num_q_heads, self.max_splits, head_dim, **f32)
-            self.ml_part = torch.empty(max_batch, num_q_heads, self.max_splits, 2, **f32)
+            self.o_part = torch.empty(max_batch, num_q_heads, slots, head_dim, **f32)
+            self.ml_part = torch.empty(max_batch, num_q_heads, slots, 2, **f32)
             self.out = torch.empty(max_batch, num_q_heads, head_dim, **f32)
-            self.q16 = torch.empty(max_batch, num_q_heads, head_dim, dtype=torch.float16, device=self.device)
             self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+            # Partials counted per (sequence, KV head): the last CTA of a row merges and resets its
+            # count, so this stays zero between launches (and across replays of a captured graph).
+            self.row_done = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
 
     CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
@@ -126,17 +134,22 @@ class Fp2DecodeAttention:
         The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
         partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
         about L / s + SPLIT_OVERHEAD_TOKENS token-times (prologue, combine, merge) and the kernel
-        ceil(N * s / slots) of them: take the s that minimises that (the smaller on ties), with at
-        most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the 32-token stage, so
-        the last split holds the remainder (it may be short).
+        ceil(N * s / slots) of them. Each row also has a short bf16 CTA (launched first); where the
+        N of them do not fit beside the splits' last wave, some split waits for one to finish, which
+        costs SPLIT_OVERHEAD_TOKENS more. Take the s that minimises that (the smaller on ties), with
+        at most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the 32-token stage,
+        so the last split holds the remainder (it may be short).
         """
         slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
         rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
         most = max(1, math.ceil(L / self.MIN_SPLIT_TOKENS))
-        splits = min(
-            range(1, most + 1),
-            key=lambda s: math.ceil(rows * s / slots) * (L / s + self.SPLIT_OVERHEAD_TOKENS),
-        )
+
+        def cost(s: int) -> float:
+            waves = math.ceil(rows * s / slots)
+            late = rows * (s + 1) > waves * slots  # a split waits for a bf16 CTA's slot
+            return waves * (L / s + self.SPLIT_OVERHEAD_TOKENS) + late * self.SPLIT_OVERHEAD_TOKENS
+
+        splits = min(range(1, most + 1), key=cost)
         split_tokens = 32 * math.ceil(L / splits / 32)
         return math.ceil(L / split_tokens), split_tokens
 
@@ -163,6 +176,7 @@ class Fp2DecodeAttention:
         expect_input(batch.hp_slot, "hp_slot", torch.int32, (B,), dev)
         if q.device != dev:
             raise KVInputError(f"q is on {q.device}, the attention module on {dev}")
+        expect_input(q, "q", torch.float32, (B, self.num_q_heads, D), dev)  # the kernel reads it as is
         if NP * Hkv * P >= 2**32:  # the decode kernel addresses token rows of the pool in 32 bits
             raise KVInputError(f"a pool of {NP} pages x {Hkv} heads x {P} slots holds 2^32 token rows or more")
         if layer.v_layout != self.v_layout:
@@ -217,7 +231,7 @@ class Fp2DecodeAttention:
 
         max_len: a host-side bound on fp2_len (default: max_fp2_tokens); it sizes the grid, so under
         CUDA-graph capture pass the bound the graph must serve. A sequence longer than the grid
-        covers gets NaN outputs (the merge kernel's check), never attention over part of it. On GPU the result is a view of a
+        covers gets NaN outputs (the kernel's merge checks), never attention over part of it. On GPU the result is a view of a
         preallocated buffer, overwritten by the next call.
         """
         self.check(q, layer, batch)
@@ -229,16 +243,10 @@ class Fp2DecodeAttention:
             raise KVInputError(
                 f"max_len {max_len} needs {num_splits} splits, workspace has {self.max_splits}"
             )
-        q16 = self.q16[:B]
-        torch.mul(q, self.softmax_scale * LOG2E, out=q16)
         o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
-        k = self.kernels
-        k.decode(
-            q16, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales, layer.levels,
-            batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
-        )  # fmt: skip
-        k.merge(
-            o_part, ml_part, lo, batch.fp2_len, split_tokens, num_splits, q16, batch.hp_k, batch.hp_v, batch.hp_len,
-            batch.hp_slot, out,
+        self.kernels.decode(
+            q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
+            layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
+            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out,
         )  # fmt: skip
         return out
