@@ -288,7 +288,7 @@ def test_plan_fills_whole_waves_and_respects_the_minimum_split() -> None:
     assert att.plan(8, 131072)[0] == 8  # 512 of 528 slots, not 9 splits = 576 CTAs in two waves
     assert att.plan(1, 100) == (1, 128)
     # Each row also has a short bf16 CTA: on the H200's 396 slots (3 CTAs per SM) B = 1 takes 48
-    # splits, so that 8 x 48 splits and the 8 bf16 CTAs all start at once (49 would leave 4 waiting).
+    # splits, so that 8 x 48 splits and the 8 bf16 CTAs all start at once (49: 4 would wait).
     att.cta_slots = 132 * 3
     assert att.plan(1, 131072)[0] == 48
     assert att.plan(8, 131072)[0] == 6  # 384 splits; the 64 bf16 CTAs wait, but 5 splits cost more

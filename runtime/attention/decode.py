@@ -134,11 +134,12 @@ class Fp2DecodeAttention:
         The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
         partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
         about L / s + SPLIT_OVERHEAD_TOKENS token-times (prologue, combine, merge) and the kernel
-        ceil(N * s / slots) of them. Each row also has a short bf16 CTA (launched first); where the
-        N of them do not fit beside the splits' last wave, some split waits for one to finish, which
-        costs SPLIT_OVERHEAD_TOKENS more. Take the s that minimises that (the smaller on ties), with
-        at most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the 32-token stage,
-        so the last split holds the remainder (it may be short).
+        ceil(N * s / slots) of them. Each row also has a short bf16 CTA, launched after all the
+        splits; where the N of them do not fit beside the splits' last wave, some wait for a slot,
+        counted as SPLIT_OVERHEAD_TOKENS more (a guess: at one wave they start as the first bf16
+        CTAs finish, long before the splits do). Take the s that minimises that (the smaller on
+        ties), with at most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the
+        32-token stage, so the last split holds the remainder (it may be short).
         """
         slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
         rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
@@ -146,7 +147,7 @@ class Fp2DecodeAttention:
 
         def cost(s: int) -> float:
             waves = math.ceil(rows * s / slots)
-            late = rows * (s + 1) > waves * slots  # a split waits for a bf16 CTA's slot
+            late = rows * (s + 1) > waves * slots  # some bf16 CTAs wait for a slot
             return waves * (L / s + self.SPLIT_OVERHEAD_TOKENS) + late * self.SPLIT_OVERHEAD_TOKENS
 
         splits = min(range(1, most + 1), key=cost)
