@@ -42,6 +42,7 @@ class Fp2KernelConfig:
     # ptxas squeezed the kernel to ~117-128 registers by recomputing every lane's shared-memory
     # offsets each stage (674 instructions in the main loop against 564 with a cap of 255).
     max_registers: int = 255
+    timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
 
     def defines(self) -> dict[str, int]:
         return {
@@ -55,6 +56,7 @@ class Fp2KernelConfig:
             "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
             "V_QUAD": int(self.v_quad),
+            "TIMELINE": int(self.timeline),
         }
 
     def build_options(self, kernel: str) -> BuildOptions:
@@ -140,12 +142,16 @@ class Fp2Kernels:
         hp_slot: torch.Tensor,  # [B] int32 row of hp_k / hp_v
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
+        timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
         S = o_part.shape[2]
         smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
         if num_splits >= S or smem > 48 * 1024:
             raise ValueError(f"{num_splits} splits need {num_splits + 1} workspace slots and {smem} B of shared memory; have {S}, 48 KB")
+        grid = (num_splits + 1) * Hkv * B
+        if self.cfg.timeline and (timeline is None or timeline.shape[0] < grid):
+            raise ValueError(f"a timeline build needs a [{grid}, 8] int64 timeline buffer")
         args = (
             # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
             ptr(q), np.float32(q_scale), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels),
@@ -154,10 +160,11 @@ class Fp2Kernels:
             ptr(o_part), ptr(ml_part),
             ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
             np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),
+            ptr(timeline) if timeline is not None else np.uint64(0),
         )  # fmt: skip
         launch(
             # one dimension, the splits first (attn_fp2_decode.cu): the bf16 CTAs take what is left
-            self._decode, grid=((num_splits + 1) * Hkv * B,), block=(32 * self.cfg.num_warps,), args=args,
+            self._decode, grid=(grid,), block=(32 * self.cfg.num_warps,), args=args,
             shared_mem=smem,
         )  # fmt: skip
 

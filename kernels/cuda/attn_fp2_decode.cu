@@ -59,11 +59,39 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
+#ifndef TIMELINE
+#define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
+#endif
 
 // The stage (layout, permutations, copies) and its computation, split out for size.
 #include "attn_fp2_decode_stage.cuh"
 #include "attn_fp2_decode_compute.cuh"
 #include "attn_fp2_decode_merge.cuh"
+
+// TIMELINE builds (benchmarks/attention_timeline.py): row i of `timeline` [grid, 8] uint64 is CTA
+// i's %globaltimer (ns) at start (0), stage 0 landed (1), main loop done (2), partial written (3),
+// finish_row done (4, the merge included for the row's last CTA), its SM (5) and its kind (6: 1 a
+// split with work, 2 the bf16 CTA, 0 a split without work). Other builds never touch it.
+#if TIMELINE
+#define ZD_STAMP(i, v) \
+  do {                                                                          \
+    if (threadIdx.x == 0) timeline[size_t(blockIdx.x) * 8 + (i)] = (v);         \
+  } while (0)
+ZD_DEVICE unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+ZD_DEVICE unsigned long long sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
+#else
+#define ZD_STAMP(i, v) \
+  do {                 \
+  } while (0)
+#endif
 
 // q        [B, Hq, D] fp32 (stored key space: rotated, anchor-folded); q_scale = softmax_scale * log2(e)
 // k_codes  page pool [NP, Hkv, P, D/16] of key code words, dense: page p, kv head h, slot j is pool
@@ -80,6 +108,7 @@
 // hp_len   [B]: bf16 tokens of each sequence (rows 0..hp_len-1, at most hp_max); hp_slot [B]: its row
 // row_done [B, Hkv] int32, zero between launches: partials counted per row (finish_row)
 // out      [B, Hq, D] fp32, normalised (stored value space)
+// timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
 // i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
 // order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
@@ -93,8 +122,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                     float* __restrict__ ml_part, const __nv_bfloat16* __restrict__ hp_k,
                     const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
                     const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max,
-                    int* __restrict__ row_done, float* __restrict__ out) {
+                    int* __restrict__ row_done, float* __restrict__ out, unsigned long long* __restrict__ timeline) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  ZD_STAMP(0, globaltimer());
+  ZD_STAMP(5, sm_id());
   const int num_q_heads = num_kv_heads * GROUP;
   const int fp2_ctas = gridDim.x / (num_splits + 1) * num_splits;  // S CTAs of each of the B * Hkv rows
   const bool bf16_cta = int(blockIdx.x) >= fp2_ctas;
@@ -121,13 +152,19 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                  hp_v + slot * hp_b_stride + kvh * hp_h_stride, min(hp_len[b], hp_max),
                  RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
                  num_splits, reinterpret_cast<float*>(smem_raw));
+    ZD_STAMP(3, globaltimer());
+    ZD_STAMP(6, 2);
     finish(row);
+    ZD_STAMP(4, globaltimer());
     return;
   }
   const int split = blockIdx.x % num_splits;
   const int r_lo = base + split * split_tokens;
   const int r_hi = min(hi, r_lo + split_tokens);
-  if (r_lo >= r_hi || lo >= hi) return;  // not counted: split >= n_run
+  if (r_lo >= r_hi || lo >= hi) {  // not counted: split >= n_run
+    ZD_STAMP(6, 0);
+    return;
+  }
   const int num_stages = (r_hi - r_lo + TOK - 1) / TOK;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -261,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {
     cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
     __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
+    if (k == 0) ZD_STAMP(1, globaltimer());
     issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
     const Stage* st = ring + k % STAGES;
     const int f0 = r_lo + si * TOK;
@@ -273,6 +311,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     }
   }
   cp_async_wait<0>();
+  ZD_STAMP(2, globaltimer());
 
   // ---- combine the warps of the CTA ---------------------------------------------------------
 #pragma unroll
@@ -318,5 +357,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
       ml_part[slot * 2 + 1] = l;
     }
   }
+  ZD_STAMP(3, globaltimer());
+  ZD_STAMP(6, 1);
   finish(blockIdx.x / num_splits);
+  ZD_STAMP(4, globaltimer());
 }

@@ -35,6 +35,8 @@ class Fp2DecodeAttention:
             allows (k_block >= 64), else the fp16-key path.
         v_layout: the value pages' layout the module reads ("token" or "quad", see `Fp2Layer`);
             "quad" needs v_block >= 16.
+        timeline: a measuring build whose CTAs stamp the GPU's clock at fixed points into
+            `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -59,6 +61,7 @@ class Fp2DecodeAttention:
         min_blocks: int = 1,
         key_s8: bool | None = None,
         v_layout: CodeLayout = "token",
+        timeline: bool = False,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -97,12 +100,13 @@ class Fp2DecodeAttention:
         self.device = canonical_device(device)
         self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.on_gpu = self.device.type == "cuda"
+        self.timeline: torch.Tensor | None = None  # the stamps of the last call (timeline builds)
         if self.on_gpu:
             from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
 
             cfg = Fp2KernelConfig(
                 head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
-                v_quad=v_layout == "quad",
+                v_quad=v_layout == "quad", timeline=timeline,
             )  # fmt: skip
             self.kernels = Fp2Kernels(cfg)
             self.kernels.load()
@@ -123,6 +127,8 @@ class Fp2DecodeAttention:
             # Partials counted per (sequence, KV head): the last CTA of a row merges and resets its
             # count, so this stays zero between launches (and across replays of a captured graph).
             self.row_done = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
+            ctas = (self.max_splits + 1) * num_kv_heads * max_batch
+            self.timeline = torch.zeros(ctas, 8, dtype=torch.int64, device=self.device) if timeline else None
 
     CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
@@ -248,6 +254,6 @@ class Fp2DecodeAttention:
         self.kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
             layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
-            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out,
+            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline,
         )  # fmt: skip
         return out

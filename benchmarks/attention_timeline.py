@@ -1,0 +1,114 @@
+"""Decode attention per CTA: when each CTA of the FP2 decode kernel starts, has its first stage,
+ends its main loop, writes its partial and finishes (a probe for load balance and fixed costs).
+
+    python benchmarks/attention_timeline.py [--json] [--batches 1,8] [--lengths 8192,131072]
+    zerodram bench attention-timeline ...
+
+A timeline build of the kernel (`Fp2DecodeAttention(timeline=True)`: thread 0 of every CTA stamps
+%globaltimer at fixed points, kernels/cuda/attn_fp2_decode.cu) runs one call after three warm-up
+calls and an L2 flush (a 256 MB read), eagerly. For the split CTAs with work the table gives the
+min / median / max of each mark, in microseconds after the first CTA's start, and of the spans
+between marks; for the bf16 CTAs their start and end. The stamps add a few instructions per CTA,
+none in the main loop. Shapes as benchmarks/attention.py: Hq 32, Hkv 8, D 128, page 64, 36 bf16
+tokens per sequence, int8 keys, quad values. docs/fp2-kernel.md, "Where it stands after the
+one-launch kernel", has what a run showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
+SPLIT_WITH_WORK, BF16_CTA = 1, 2  # timeline column 6
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--lengths", default="8192,131072")
+    p.add_argument("--json", action="store_true", help="one JSON line per case")
+
+
+def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
+    """(min, median, max) in microseconds of each mark and span over the CTAs' stamp rows
+    [start, first stage, loop end, partial, finish, SM, kind, unused] (ns, kernel layout)."""
+    t0 = min(r[0] for r in stamps)
+    splits = [r for r in stamps if r[6] == SPLIT_WITH_WORK]
+    bf16 = [r for r in stamps if r[6] == BF16_CTA]
+
+    def stats(values: list[float]) -> tuple[float, float, float]:
+        v = sorted(values)
+        return (v[0], v[len(v) // 2], v[-1]) if v else (math.nan, math.nan, math.nan)
+
+    rows = {
+        "split start": [r[0] - t0 for r in splits],
+        "split first stage": [r[1] - t0 for r in splits],
+        "split loop end": [r[2] - t0 for r in splits],
+        "split partial written": [r[3] - t0 for r in splits],
+        "split done": [r[4] - t0 for r in splits],
+        "span: prologue": [r[1] - r[0] for r in splits],
+        "span: main loop": [r[2] - r[1] for r in splits],
+        "span: combine": [r[3] - r[2] for r in splits],
+        "span: count and merge": [r[4] - r[3] for r in splits + bf16],
+        "bf16 start": [r[0] - t0 for r in bf16],
+        "bf16 partial written": [r[3] - t0 for r in bf16],
+        "last done": [max(r[4] for r in splits + bf16) - t0],
+    }
+    return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
+
+
+def _case(B: int, L: int, flush) -> tuple[dict, int, int]:
+    import torch
+
+    from zerodram.runtime.attention import Fp2DecodeAttention, random_decode_batch, random_fp2_layer
+
+    gen = torch.Generator(device="cuda").manual_seed(B * 7 + L)
+    pages = B * math.ceil(L / P)
+    layer = random_fp2_layer(pages, HKV, P, D, device="cuda", generator=gen, v_layout="quad")
+    batch = random_decode_batch([L] * B, [HP] * B, pages, HKV, P, D, hp_max=HP, device="cuda", generator=gen)
+    q = torch.randn(B, HQ, D, device="cuda", generator=gen)
+    att = Fp2DecodeAttention(
+        num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
+        device="cuda", v_layout="quad", timeline=True,
+    )  # fmt: skip
+    for _ in range(3):
+        att(q, layer, batch, max_len=L)
+    assert att.timeline is not None
+    att.timeline.zero_()
+    flush.sum()
+    att(q, layer, batch, max_len=L)
+    torch.cuda.synchronize()
+    splits = att.plan(B, L)[0]
+    stamps = att.timeline[: (splits + 1) * HKV * B].tolist()
+    return summarize(stamps), splits, len({r[5] for r in stamps})
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attention_timeline needs a CUDA GPU", file=sys.stderr)
+        return 2
+    flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, read before the call
+    name = torch.cuda.get_device_name()
+    for B in (int(x) for x in args.batches.split(",")):
+        for L in (int(x) for x in args.lengths.split(",")):
+            marks, splits, sms = _case(B, L, flush)
+            print(f"\n# {name}, B = {B}, L = {L}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
+            for k, (lo, mid, hi) in marks.items():
+                print(f"{k:>24} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
+            if args.json:
+                print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks}))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

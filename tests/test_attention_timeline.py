@@ -1,0 +1,56 @@
+"""`zerodram bench attention-timeline` on CPU: its summary of per-CTA stamps, on stamps built so that
+every figure is known, and its refusal without a GPU (the timeline build of the decode kernel
+compiles in tests/test_attention.py; its stamps are read on the GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("attention_timeline", REPO / "benchmarks" / "attention_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_of_known_stamps() -> None:
+    mod = _module()
+    us = 1000  # stamps are nanoseconds
+    t0 = 5_000_000
+    # [start, first stage, loop end, partial, done, SM, kind, unused]; split i: loop of 10 * (i + 1) us
+    splits = [[t0 + i * us, t0 + (i + 4) * us, t0 + (i + 4 + 10 * (i + 1)) * us, 0, 0, i, 1, 0] for i in range(3)]
+    for r in splits:
+        r[3] = r[2] + 1 * us
+        r[4] = r[3] + 2 * us
+    bf16 = [t0 + 1 * us, 0, 0, t0 + 9 * us, t0 + 10 * us, 7, 2, 0]
+    empty = [t0 - 50 * us, 0, 0, 0, 0, 8, 0, 0]  # a split without work: its start still counts for t0
+    m = mod.summarize([*splits, bf16, empty])
+    assert m["span: main loop"] == (10.0, 20.0, 30.0)
+    assert m["span: prologue"] == (4.0, 4.0, 4.0)
+    assert m["span: combine"] == (1.0, 1.0, 1.0)
+    assert m["span: count and merge"] == (1.0, 2.0, 2.0)  # the bf16 CTA's 1 us and the splits' 2 us
+    assert m["split start"] == (50.0, 51.0, 52.0)
+    assert m["bf16 partial written"] == (59.0, 59.0, 59.0)
+    assert m["last done"][0] == 50 + 2 + 4 + 30 + 1 + 2
+
+
+def test_refuses_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the probe would run")
+    code = (
+        "import argparse, sys; from zerodram.launch import bench_cmd; p = argparse.ArgumentParser(); "
+        "bench_cmd.register(p.add_subparsers()); a = p.parse_args(['bench', 'attention-timeline']); sys.exit(a.func(a))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "needs a CUDA GPU" in out.stderr
