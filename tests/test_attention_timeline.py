@@ -4,25 +4,12 @@ compiles in tests/test_attention.py; its stamps are read on the GPU machine)."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("attention_timeline", REPO / "benchmarks" / "attention_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_cli import load_script, run_bench
 
 
 def test_summary_of_known_stamps() -> None:
-    mod = _module()
+    mod = load_script("attention_timeline")
     us = 1000  # stamps are nanoseconds
     t0 = 5_000_000
     # [start, first stage, loop end, partial, done, SM, kind, unused]; split i: loop of 10 * (i + 1) us
@@ -47,10 +34,6 @@ def test_refuses_without_a_gpu() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the probe would run")
-    code = (
-        "import argparse, sys; from zerodram.launch import bench_cmd; p = argparse.ArgumentParser(); "
-        "bench_cmd.register(p.add_subparsers()); a = p.parse_args(['bench', 'attention-timeline']); sys.exit(a.func(a))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_bench(["attention-timeline"])
     assert out.returncode == 2, out.stderr[-2000:]
     assert "needs a CUDA GPU" in out.stderr

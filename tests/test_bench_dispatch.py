@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_cli import run_bench
 from multirank import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,14 +41,7 @@ def _rows(stdout: str) -> list[dict]:
 
 
 def test_bench_dispatch_json_on_cpu() -> None:
-    code = (
-        "import argparse, sys; from zerodram.launch import bench_cmd; p = argparse.ArgumentParser(); "
-        "bench_cmd.register(p.add_subparsers()); "
-        f"a = p.parse_args(['bench', 'dispatch', *{TINY!r}]); sys.exit(a.func(a))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
-    )
+    out = run_bench(["dispatch", *TINY], env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     rows = _rows(out.stdout)
     assert {(r["path"], r["wire"], r["tokens"]) for r in rows} == {
