@@ -29,3 +29,15 @@ def run_bench(argv: list[str], *, env: dict[str, str] | None = None, timeout: in
         f"bench_cmd.register(p.add_subparsers()); a = p.parse_args(['bench', *{argv!r}]); sys.exit(a.func(a))"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_refuses_without_gpu(name: str) -> None:
+    """`zerodram bench NAME` on a machine without a GPU exits 2 and says it needs one."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    out = run_bench([name])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "needs a CUDA GPU" in out.stderr

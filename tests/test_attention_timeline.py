@@ -4,8 +4,7 @@ compiles in tests/test_attention.py; its stamps are read on the GPU machine)."""
 
 from __future__ import annotations
 
-import pytest
-from bench_cli import load_script, run_bench
+from bench_cli import assert_refuses_without_gpu, load_script
 
 
 def test_summary_of_known_stamps() -> None:
@@ -30,10 +29,4 @@ def test_summary_of_known_stamps() -> None:
 
 
 def test_refuses_without_a_gpu() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the probe would run")
-    out = run_bench(["attention-timeline"])
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "needs a CUDA GPU" in out.stderr
+    assert_refuses_without_gpu("attention-timeline")

@@ -4,7 +4,7 @@ probe kernel itself compiles in tests/test_jit.py; its rates are measured on the
 from __future__ import annotations
 
 import pytest
-from bench_cli import load_script, run_bench
+from bench_cli import assert_refuses_without_gpu, load_script
 
 
 def test_pairs_parse_and_unknown_names_are_named() -> None:
@@ -15,10 +15,4 @@ def test_pairs_parse_and_unknown_names_are_named() -> None:
 
 
 def test_refuses_without_a_gpu() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the probe would run")
-    out = run_bench(["issue-rates"])
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "needs a CUDA GPU" in out.stderr
+    assert_refuses_without_gpu("issue-rates")
