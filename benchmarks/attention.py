@@ -167,11 +167,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args())
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerodram.launch.bench_cmd import run_script
+
+    sys.exit(run_script(__doc__, add_arguments, run))

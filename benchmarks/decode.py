@@ -580,11 +580,8 @@ def _print_tables(rows: list[dict], bench: LayerBench) -> None:
           "bandwidth; dispatch, combine = B*K bf16 rows / (copy bandwidth / 2), one rank")  # fmt: skip
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args())
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerodram.launch.bench_cmd import run_script
+
+    sys.exit(run_script(__doc__, add_arguments, run))

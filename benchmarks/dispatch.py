@@ -111,12 +111,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args())
-
-
 def run(args: argparse.Namespace) -> int:
     from zerodram.launch.watchdog import StageWatchdog
     from zerodram.runtime.errors import ConfigError, RankTimeoutError
@@ -546,4 +540,6 @@ def _print_summary(results: list[CaseResult], out: Any) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerodram.launch.bench_cmd import run_script
+
+    sys.exit(run_script(__doc__, add_arguments, run))

@@ -3,7 +3,8 @@
 Add a subcommand with one line in `SUBCOMMANDS`: name -> (target, help). A target is
 "module:" (an importable module) or "path.py:" relative to the repository root (the `benchmarks/`
 folder is not installed as a package); the module provides `add_arguments(parser)` and
-`run(args) -> int`. Heavy imports happen inside `run`, so `--help` stays instant.
+`run(args) -> int`. Heavy imports happen inside `run`, so `--help` stays instant. Run directly
+(`python benchmarks/NAME.py ...`), a script hands the same two to `run_script`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -60,6 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         q = inner.add_parser(name, help=text, description=(module.__doc__ or text).strip().splitlines()[0])
         module.add_arguments(q)
         q.set_defaults(func=module.run)
+
+
+def run_script(doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+               run: Callable[[argparse.Namespace], int]) -> int:
+    """`python benchmarks/NAME.py ...`: the module's own arguments and run, as `zerodram bench NAME`."""
+    p = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args())
 
 
 def _missing(err: ConfigError):
