@@ -29,11 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--lengths", default="8192,131072")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
+    p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
 
 
 def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
     """(min, median, max) in microseconds of each mark and span over the CTAs' stamp rows
-    [start, first stage, loop end, partial, finish, SM, kind, unused] (ns, kernel layout)."""
+    [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0] (ns, kernel layout)."""
     t0 = min(r[0] for r in stamps)
     splits = [r for r in stamps if r[6] == SPLIT_WITH_WORK]
     bf16 = [r for r in stamps if r[6] == BF16_CTA]
@@ -59,7 +60,7 @@ def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
-def _case(B: int, L: int, flush) -> tuple[dict, int, int]:
+def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
     import torch
 
     from zerodram.runtime.attention import Fp2DecodeAttention, random_decode_batch, random_fp2_layer
@@ -82,7 +83,7 @@ def _case(B: int, L: int, flush) -> tuple[dict, int, int]:
     torch.cuda.synchronize()
     splits = att.plan(B, L)[0]
     stamps = att.timeline[: (splits + 1) * HKV * B].tolist()
-    return summarize(stamps), splits, len({r[5] for r in stamps})
+    return stamps, splits
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
-            marks, splits, sms = _case(B, L, flush)
+            stamps, splits = _case(B, L, flush)
+            marks, sms = summarize(stamps), len({r[5] for r in stamps})
+            if args.raw:
+                with open(args.raw, "a") as f:  # [start, first stage, loop end, partial, finish, SM, kind, stages]
+                    f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
             print(f"\n# {name}, B = {B}, L = {L}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
             for k, (lo, mid, hi) in marks.items():
                 print(f"{k:>24} {lo:9.2f} {mid:9.2f} {hi:9.2f}")

@@ -513,7 +513,7 @@ def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("G", [1, 4, 8])
 def test_gpu_bf16_region_in_chunks_and_sequences_without_tokens(G: int) -> None:
-    """The row's bf16 CTA takes its tokens 32 at a time (100 here: four rounds); a sequence with
+    """The row's bf16 CTA takes its tokens 64 at a time (100 here: two rounds); a sequence with
     neither FP2 nor bf16 tokens gets zeros; and the per-row partial counts reset between launches
     of different batch sizes (a stale count would leave a row unmerged: the poisoned NaN)."""
     D, Hkv, P, dev = 128, 2, 64, "cuda"

@@ -70,8 +70,9 @@
 
 // TIMELINE builds (benchmarks/attention_timeline.py): row i of `timeline` [grid, 8] uint64 is CTA
 // i's %globaltimer (ns) at start (0), stage 0 landed (1), main loop done (2), partial written (3),
-// finish_row done (4, the merge included for the row's last CTA), its SM (5) and its kind (6: 1 a
-// split with work, 2 the bf16 CTA, 0 a split without work). Other builds never touch it.
+// finish_row done (4, the merge included for the row's last CTA), its SM (5), its kind (6: 1 a
+// split with work, 2 the bf16 CTA, 0 a split without work) and the stages its warp 0 computed (7).
+// Other builds never touch it.
 #if TIMELINE
 #define ZD_STAMP(i, v) \
   do {                                                                          \
@@ -312,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   }
   cp_async_wait<0>();
   ZD_STAMP(2, globaltimer());
+  ZD_STAMP(7, k);
 
   // ---- combine the warps of the CTA ---------------------------------------------------------
 #pragma unroll
