@@ -38,7 +38,6 @@ class Fp2KernelConfig:
     min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
     key_s8: bool = False  # keys through int8 MMAs (k_block >= 64); Fp2DecodeAttention picks it by default
     v_quad: bool = False  # value pages in the quad layout, value scales on P (v_block >= 16)
-    claim: int = 8  # stages a decode warp claims at a time (8, 16 or 32; stages <= claim)
     # The decode kernel's register cap, passed to ptxas explicitly: without one (NVRTC / nvcc 13.0)
     # ptxas squeezed the kernel to ~117-128 registers by recomputing every lane's shared-memory
     # offsets each stage (674 instructions in the main loop against 564 with a cap of 255).
@@ -54,7 +53,6 @@ class Fp2KernelConfig:
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype],
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
-            "CLAIM": self.claim,
             "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
             "V_QUAD": int(self.v_quad),
@@ -142,7 +140,7 @@ class Fp2Kernels:
         hp_v: torch.Tensor,
         hp_len: torch.Tensor,  # [B] int32
         hp_slot: torch.Tensor,  # [B] int32 row of hp_k / hp_v
-        row_state: torch.Tensor,  # [>= B * Hkv, 2] int32, zero between launches (the kernel resets it)
+        row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
         timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
     ) -> None:
@@ -161,7 +159,7 @@ class Fp2Kernels:
             ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(num_splits), np.int32(Hkv), np.int32(S),
             ptr(o_part), ptr(ml_part),
             ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
-            np.int32(hp_k.shape[2]), ptr(row_state), ptr(out),
+            np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),
             ptr(timeline) if timeline is not None else np.uint64(0),
         )  # fmt: skip
         launch(

@@ -8,14 +8,12 @@
 //
 // One launch does the whole attention. A row is one (sequence b, KV head h): S split CTAs over its
 // FP2 tokens and one bf16 CTA over its sinks and tail each write a partial, and the last of them
-// to finish merges the row's partials and normalises (attn_fp2_decode_merge.cuh). The row's FP2
-// tokens, from lo aligned down to 32, are stages of 32 tokens (never across a page: P % 32 == 0).
-// The warps of the row's split CTAs take them CLAIM stages at a time: two claims fixed by
-// (split, warp), then claims from the row's counter (atomicAdd), so a warp on a busy SM simply
-// takes fewer (docs/fp2-kernel.md, "Balancing the splits: measured, not kept"). Each warp streams its stages through its own
-// STAGES-deep cp.async ring, so the main loop needs no block barrier, and keeps an online softmax
-// per head; at the end the warps are combined through shared memory and the CTA writes its
-// unnormalised partial output and (max, sum) to the split workspace.
+// to finish merges the row's partials and normalises (attn_fp2_decode_merge.cuh). Split CTA s of
+// the row covers FP2 tokens [lo + s * split_tokens, ...) (lo aligned down to 32), in stages of 32
+// tokens (never across a page: P % 32 == 0); warp w takes stages w, w + NUM_WARPS, ... through
+// its own STAGES-deep cp.async ring, so the main loop needs no block barrier. Each warp keeps an
+// online softmax per head; at the end the warps are combined through shared memory and the CTA
+// writes its unnormalised partial output and (max, sum) to the split workspace.
 //
 // The MMAs are "swapped" (tokens and channels on M, heads on N = 8), so a group of <= 8 heads
 // wastes at most N padding, never 16-row M padding:
@@ -60,9 +58,6 @@
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
-#endif
-#ifndef CLAIM
-#define CLAIM 8  // stages a warp claims at a time: the balance quantum (~1.2 us of a warp per stage)
 #endif
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
@@ -112,25 +107,12 @@ ZD_DEVICE unsigned long long sm_id() {
 // ml_part  [B, Hq, max_splits, 2] fp32 (running max in log2 units, sum of exponentials)
 // hp_k / hp_v: bf16, token j of seq b, kv head h at + hp_slot[b] * hp_b_stride + h * hp_h_stride + j * D
 // hp_len   [B]: bf16 tokens of each sequence (rows 0..hp_len-1, at most hp_max); hp_slot [B]: its row
-// row_state [B, Hkv, 2] int32, zero between launches: per row, the partials counted (finish_row)
-//          and the stages claimed from the counter; the row's merging CTA resets both
+// row_done [B, Hkv] int32, zero between launches: partials counted per row (finish_row)
 // out      [B, Hq, D] fp32, normalised (stored value space)
 // timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
-// Stage claims: warp w of split CTA s first takes the row's claims s * NUM_WARPS + w and
-// (S + s) * NUM_WARPS + w of CLAIM stages each (known without a round trip, so the prologue starts
-// at once and the first counter claim has a whole claim's time to come back), then claims from
-// the row's counter, numbered after all the static ones. A split CTA has work, and writes a
-// partial, iff its warp 0's first claim does.
-constexpr int kCtaClaim = NUM_WARPS * CLAIM;  // stages of a CTA's first claims
-static_assert(CLAIM >= 8 && CLAIM <= 32 && (CLAIM & (CLAIM - 1)) == 0, "claims of 8, 16 or 32 stages");
-static_assert(STAGES - 1 < CLAIM, "the copies run less than a claim ahead of the compute");
-ZD_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
-// i / (B * Hkv) of row i % (B * Hkv) (row = b * Hkv + kvh: a row's splits are B * Hkv CTAs apart,
-// so they land on SMs far apart), the rest are the rows' bf16 CTAs. CTAs start in index
-// order, so the short bf16 CTAs take the slots the splits leave and never delay a split. The grid
-// covers S * split_tokens FP2 tokens of a row (the plan's bound): a longer row gets NaN.
+// i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
+// order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
 extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attn_fp2_decode(const float* __restrict__ q, float q_scale, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
@@ -141,32 +123,27 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                     float* __restrict__ ml_part, const __nv_bfloat16* __restrict__ hp_k,
                     const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
                     const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max,
-                    int* __restrict__ row_state, float* __restrict__ out, unsigned long long* __restrict__ timeline) {
+                    int* __restrict__ row_done, float* __restrict__ out, unsigned long long* __restrict__ timeline) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ZD_STAMP(0, globaltimer());
   ZD_STAMP(5, sm_id());
   const int num_q_heads = num_kv_heads * GROUP;
   const int fp2_ctas = gridDim.x / (num_splits + 1) * num_splits;  // S CTAs of each of the B * Hkv rows
   const bool bf16_cta = int(blockIdx.x) >= fp2_ctas;
-  const int row = bf16_cta ? blockIdx.x - fp2_ctas : blockIdx.x % (fp2_ctas / num_splits);
+  const int row = bf16_cta ? blockIdx.x - fp2_ctas : blockIdx.x / num_splits;
   const int kvh = row % num_kv_heads, b = row / num_kv_heads;
   const int lo = fp2_lo[b], hi = fp2_hi[b];
   const int base = lo & ~(TOK - 1);
   const size_t head0 = size_t(b) * num_q_heads + kvh * GROUP;  // the row's first query head
-  // The row's stages, capped at what the grid covers (S * split_tokens tokens; beyond: overflow).
-  auto row_stages = [&](int lo, int hi) {
-    return hi > lo ? min((hi - (lo & ~(TOK - 1)) + TOK - 1) / TOK, num_splits * (split_tokens / TOK)) : 0;
-  };
   // The row's bookkeeping for finish_row, derived again where it is used rather than kept in
   // registers across the main loop (the range is read again through L2, so the compiler cannot
   // keep the first read alive instead).
   auto finish = [&](int row) {
     const int b = row / num_kv_heads, lo = __ldcg(fp2_lo + b), hi = __ldcg(fp2_hi + b);
     const size_t head0 = size_t(row) * GROUP;  // == b * Hq + kvh * G
-    const int n_run = min(num_splits, ceil_div(row_stages(lo, hi), kCtaClaim));  // split CTAs with work
-    const bool overflow = hi > lo && hi - (lo & ~(TOK - 1)) > num_splits * split_tokens;
+    const int n_need = hi > lo ? (hi - (lo & ~(TOK - 1)) + split_tokens - 1) / split_tokens : 0;  // splits the range needs
     // the FP2 CTAs of the row with work (n_run) and its bf16 CTA count themselves; the last merges
-    finish_row(row_state + 2 * row, n_run, overflow, num_splits,
+    finish_row(row_done + row, min(n_need, num_splits), n_need > num_splits, num_splits,
                RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
                out + head0 * D, reinterpret_cast<float*>(smem_raw));
   };
@@ -182,12 +159,14 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     ZD_STAMP(4, globaltimer());
     return;
   }
-  const int split = blockIdx.x / (fp2_ctas / num_splits);
-  const int total = row_stages(lo, hi);  // the row's stages; stage i holds tokens base + 32i ...
-  if (split * kCtaClaim >= total) {  // not counted: split >= n_run
+  const int split = blockIdx.x % num_splits;
+  const int r_lo = base + split * split_tokens;
+  const int r_hi = min(hi, r_lo + split_tokens);
+  if (r_lo >= r_hi || lo >= hi) {  // not counted: split >= n_run
     ZD_STAMP(6, 0);
     return;
   }
+  const int num_stages = (r_hi - r_lo + TOK - 1) / TOK;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -272,40 +251,23 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
-  // The warp's claims. Issuing runs STAGES - 1 stages ahead of computing, so the two sides may be
-  // in different claims: c_issue and c_comp are their claims' first stages. Lane l < CLAIM of
-  // `rows_cur` holds the pool row (page * Hkv + kvh) * P + slot of the first token of stage
-  // c_issue + l, `rows_next` those of the next claim: reading the block table right before each
+  // Pool rows of the warp's stages, prefetched 32 stages at a time: lane l of `rows_cur` holds the
+  // pool row (page * Hkv + kvh) * P + slot of the first token of the warp's local stage 32c + l
+  // (chunk c), `rows_next` those of chunk c + 1. Reading the block table right before each
   // cp.async would stall the warp on a dependent global load (an L2 round trip) every stage, and
-  // the division by page_size costs ~25 instructions; both now happen once per claim.
-  //
-  // When issuing starts a claim, the next one's answer is read and its pool rows loaded (a whole
-  // claim before they are needed; with half a claim the loop ran 4% slower), and the claim after
-  // that is asked for (lane 0's atomicAdd), but only if the next lies wholly below `total` and
-  // more stages may remain. Every atomic a warp starts is read before its loop ends (the computing
-  // side finishes the whole current claim), so none is still in flight when the row's merging CTA
-  // resets the counter.
+  // the integer division by page_size costs ~25 instructions: both now happen once per chunk.
   const int32_t* bt = block_table + size_t(b) * bt_stride;
   const uint32_t head_rows = uint32_t(kvh) * page_size, page_rows = uint32_t(num_kv_heads) * page_size;
-  int* const claims = row_state + 2 * row + 1;
-  const int claimed0 = 2 * num_splits * kCtaClaim;  // the counter's claims follow two static claims per warp
-  auto load_rows = [&](int c) -> uint32_t {
-    const int si = c + lane, f = base + si * TOK;  // stage c + lane, its first token
-    return lane < CLAIM && si < total ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
+  auto load_rows = [&](int chunk) -> uint32_t {
+    const int si = warp + (32 * chunk + lane) * NUM_WARPS;
+    const int f = r_lo + si * TOK;  // first token of the stage
+    return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
   };
-  int c_issue = (split * NUM_WARPS + warp) * CLAIM, pending = 0;
-  int c_next = min(c_issue + num_splits * kCtaClaim, total);  // the second static claim
-  bool asked = false;
-  auto ask = [&]() {  // at the start of issuing claim c_issue: ask for the one after c_next
-    asked = c_next + CLAIM < total;
-    if (asked && lane == 0) pending = atomicAdd(claims, CLAIM);
-  };
-  uint32_t rows_cur = load_rows(c_issue), rows_next = load_rows(c_next);
-  ask();
-  // Issue the copies of the warp's local stage j into `slot`. Called by the whole warp with the
-  // same j, in increasing order (the claims advance here). The pools are dense, so a stage's four
-  // runs start at its pool row times the row's words or bytes: one wide multiply-add onto the
-  // lane's fixed pointer per run.
+  uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
+  // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
+  // Called by the whole warp with the same j, in increasing order (the row chunks advance here).
+  // The pools are dense, so a stage's four runs start at its pool row times the row's words or
+  // bytes: one wide multiply-add onto the lane's fixed pointer per run.
   const CopyPlan plan = copy_plan(lane);
   const uint32_t ring_addr = smem_addr(ring);
   const uint32_t* kc_lane = pinned(k_codes + 4 * lane);
@@ -313,15 +275,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
   const uint8_t* vs_lane = pinned(v_scales + 16 * lane);
   auto issue = [&](int j, int slot) {
-    const int o = j & (CLAIM - 1);
-    if (o == 0 && j > 0) {
-      c_issue = c_next, rows_cur = rows_next;
-      c_next = asked ? claimed0 + __shfl_sync(0xffffffffu, pending, 0) : total;
-      rows_next = load_rows(c_next);
-      ask();
+    if (j > 0 && (j & 31) == 0) {
+      rows_cur = rows_next;
+      rows_next = load_rows((j >> 5) + 1);
     }
-    const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, o);
-    if (c_issue + o < total) {
+    const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, j & 31);
+    if (warp + j * NUM_WARPS < num_stages) {
       load_stage(ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, kc_lane + size_t(row) * WPR,
                  vc_lane + size_t(row) * WPR, ks_lane + size_t(row) * NBK, vs_lane + size_t(row) * NBV);
     }
@@ -332,26 +291,22 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
 
-  // The warp's k-th stage (stage c_comp + k % CLAIM of the row) sits in ring slot k % STAGES. The
-  // prologue stays inside the first claim.
+  // Warp w handles stages w, w + NUM_WARPS, ...; its k-th stage sits in ring slot k % STAGES.
+  static_assert(STAGES <= 32, "the prologue stays inside the first page chunk");
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k) issue(k, k);
-  int c_comp = c_issue, k = 0;
-  for (;; ++k) {
-    // issuing entered this claim STAGES - 1 stages ago and leaves it STAGES - 1 before its end
-    if ((k & (CLAIM - 1)) == 0) c_comp = c_issue;
-    const int si = c_comp + (k & (CLAIM - 1));
-    if (si >= total) break;  // claims only grow: every later one is past the end too
+  int k = 0;
+  for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {
     cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
     __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
     if (k == 0) ZD_STAMP(1, globaltimer());
     issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
     const Stage* st = ring + k % STAGES;
-    const int f0 = base + si * TOK;
-    if (f0 >= lo && f0 + TOK <= hi) {
+    const int f0 = r_lo + si * TOK;
+    if (f0 >= lo && f0 + TOK <= r_hi) {
       compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
     } else {
-      const int a = max(lo - f0, 0), z = min(hi - f0, TOK);  // valid tokens [a, z) of the stage
+      const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
       const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
       compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
     }
@@ -397,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
       o += wt * red_o[(w * 8 + head) * D + ch];
       l += wt * red_l[w * 8 + head];
     }
-    const size_t slot = (size_t(row) * GROUP + head) * max_splits + split;
+    const size_t slot = (size_t(blockIdx.x / num_splits) * GROUP + head) * max_splits + blockIdx.x % num_splits;
     o_part[slot * D + ch] = o;
     if (ch == 0) {
       ml_part[slot * 2] = mx;
@@ -406,6 +361,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   }
   ZD_STAMP(3, globaltimer());
   ZD_STAMP(6, 1);
-  finish(row);
+  finish(blockIdx.x / num_splits);
   ZD_STAMP(4, globaltimer());
 }

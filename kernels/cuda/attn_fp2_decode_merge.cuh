@@ -129,21 +129,20 @@ ZD_DEVICE void bf16_partial(const float* __restrict__ q, float q_scale, const __
 }
 
 // Called by every CTA of the row that has written its partial (all threads). Counts it in
-// row_state[0]; the CTA that brings the count to n_run + 1 (the FP2 CTAs with work and the bf16
-// CTA) merges: M = max of the partials' m, weights 2^(m - M), out = sum of weighted o / sum of
-// weighted l, and resets the count and the stage-claim counter row_state[1] for the next launch (a
-// captured graph replays the same counters; every claim was made before its CTA counted). A sequence
+// row_done; the CTA that brings the count to n_run + 1 (the FP2 CTAs with work and the bf16 CTA)
+// merges: M = max of the partials' m, weights 2^(m - M), out = sum of weighted o / sum of weighted l,
+// and resets the count for the next launch (a captured graph replays the same counter). A sequence
 // longer than the grid covers (overflow) gets NaN. The partials are read through L2 (ld.cg): other
 // CTAs wrote them during this kernel.
-ZD_DEVICE void finish_row(int* row_state, int n_run, bool overflow, int num_splits, const RowPartials& rp,
+ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_splits, const RowPartials& rp,
                           float* __restrict__ out, float* smem) {
   __shared__ int last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
     __threadfence();  // this CTA's partial before its count (release)
-    last = atomicAdd(row_state, 1) == n_run;
+    last = atomicAdd(row_done, 1) == n_run;
     if (last) {
-      row_state[0] = row_state[1] = 0;
+      *row_done = 0;
       __threadfence();  // the other CTAs' partials after their counts (acquire)
     }
   }

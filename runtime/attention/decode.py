@@ -124,10 +124,9 @@ class Fp2DecodeAttention:
             self.ml_part = torch.empty(max_batch, num_q_heads, slots, 2, **f32)
             self.out = torch.empty(max_batch, num_q_heads, head_dim, **f32)
             self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
-            # Per (sequence, KV head): the partials counted and the stages claimed. The last CTA of a
-            # row merges and resets both, so this stays zero between launches (and across replays
-            # of a captured graph).
-            self.row_state = torch.zeros(max_batch * num_kv_heads, 2, dtype=torch.int32, device=self.device)
+            # Partials counted per (sequence, KV head): the last CTA of a row merges and resets its
+            # count, so this stays zero between launches (and across replays of a captured graph).
+            self.row_done = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
             ctas = (self.max_splits + 1) * num_kv_heads * max_batch
             self.timeline = torch.zeros(ctas, 8, dtype=torch.int64, device=self.device) if timeline else None
 
@@ -255,6 +254,6 @@ class Fp2DecodeAttention:
         self.kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
             layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
-            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_state, out, self.timeline,
+            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline,
         )  # fmt: skip
         return out
