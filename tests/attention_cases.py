@@ -1,0 +1,61 @@
+"""Shared by the attention tests (test_attention.py on CPU, test_attention_gpu.py on the GPU): a
+decode-attention module of test size, the relative error the GPU checks use, and a real
+runtime/kv FP2 cache with the kernel-side view of its decode.
+
+Shape legend: Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, P page size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerodram.runtime.attention import Fp2DecodeAttention
+
+
+def make_attention(
+    device: str, *, Hq: int = 8, Hkv: int = 2, D: int = 128, P: int = 64, max_tokens: int = 4096, **kw
+):
+    """A decode-attention module for up to 8 sequences of up to max_tokens FP2 tokens each."""
+    return Fp2DecodeAttention(
+        num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=8, max_fp2_tokens=max_tokens,
+        device=device, **kw,
+    )  # fmt: skip
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def kv_cache_case(device: str, lengths: list[int], D: int = 128, Hkv: int = 2, G: int = 4):
+    """A real runtime/kv Fp2KVCache filled with random tokens, and its kernel-side views."""
+    from zerodram.runtime.kv.format import parse_kv_spec
+    from zerodram.runtime.kv.fp2_cache import Fp2KVCache
+
+    spec = parse_kv_spec("fp2").spec
+    pages = sum(math.ceil(n / spec.page_size) for n in lengths) + 2
+    cache = Fp2KVCache(
+        spec=spec, num_pages=pages, page_size=spec.page_size, num_kv_heads=Hkv, head_dim=D,
+        max_seqs=len(lengths) + 1, device=device,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(sum(lengths))
+    sids = []
+    for n in lengths:
+        sid = cache.new_sequence()
+        k = torch.randn(n, Hkv, D, device=device, generator=g) * 2
+        cache.append(sid, k, torch.randn(n, Hkv, D, device=device, generator=g))
+        sids.append(sid)
+    q = torch.randn(len(lengths), G * Hkv, D, device=device, generator=g)
+    return cache, sids, q
+
+
+def kernel_side(att, cache, sids, q, G):
+    from zerodram.runtime.attention import batch_from_cache, finish_output, layer_from_cache, prepare_query
+
+    kp, vp = cache.params
+    layer, batch = layer_from_cache(cache), batch_from_cache(cache, sids)
+    att.check_tables(layer, batch)
+    o = att(prepare_query(q, kp.rotation, kp.anchor, G), layer, batch)
+    return finish_output(o, vp.rotation, vp.anchor, G)
