@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -147,6 +148,7 @@ class LayerBench:
 
         from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
         from zerodram.runtime.loading.random_init import random_weights
+        from zerodram.runtime.metrics.devtime import Clock, copy_bandwidth
         from zerodram.runtime.model.rope import Rope
         from zerodram.runtime.moe.experts import ExpertShard
         from zerodram.runtime.moe.router import RouterConfig
@@ -179,7 +181,8 @@ class LayerBench:
                 )
         self.comms["fp2-fused"] = create_communicator(ctx, layout, router, backend)
         self.backends = {"bf16-host": "torch", "fp2-fused": backend}
-        self.copy_bw = _copy_bandwidth(self.dev)  # bytes read + written per second
+        self.copy_bw = copy_bandwidth(device=self.dev)  # bytes read + written per second
+        self.clock = Clock(self.dev)
         self.flush = torch.zeros(64 << 20, dtype=torch.float32, device=self.dev) if self.dev.type == "cuda" else None
         self.device_name = torch.cuda.get_device_name(self.dev) if self.dev.type == "cuda" else "cpu"
 
@@ -208,17 +211,17 @@ class LayerBench:
         for i in range(warmup + iters):
             if self.flush is not None:
                 self.flush.sum()  # read-only: a write leaves dirty L2 lines for the timed pass
-            marks = _Marks(self.dev)
+            marks = [self.clock.mark()]
             h = self._attention(path, x, positions, kv)
-            marks.mark()
+            marks.append(self.clock.mark())
             h2, out = self._dispatch(path, h, comm)
-            marks.mark()
+            marks.append(self.clock.mark())
             y, y_shared = self._experts(h2, out)
-            marks.mark()
+            marks.append(self.clock.mark())
             y = comm.combine(y, out)  # [B, D]
-            marks.mark()
+            marks.append(self.clock.mark())
             _ = h + y if y_shared is None else h + y + y_shared
-            ms = marks.elapsed_ms()
+            ms = [self.clock.between_ms(a, b) for a, b in itertools.pairwise(marks)]
             if i >= warmup:
                 for s, v in zip(STAGES, ms, strict=True):
                     samples[s].append(v)
@@ -418,11 +421,11 @@ class LayerBench:
         k = torch.randn(B, cfg.num_kv_heads, cfg.head_dim, device=self.dev).to(torch.bfloat16)
         times = []
         for i in range(iters + 3):
-            marks = _Marks(self.dev)
+            a = self.clock.mark()
             self._write(path, kv, k, k)
-            marks.mark()
+            b = self.clock.mark()
             if i >= 3:
-                times.append(marks.elapsed_ms()[0])
+                times.append(self.clock.between_ms(a, b))
         return statistics.median(times)
 
     def _dispatch(self, path: str, h: Any, comm: Any) -> tuple:
@@ -473,35 +476,6 @@ class LayerBench:
         return {**f, "kv_bytes": kv_bytes, "weight_bytes": attn_w + expert_w, "experts_touched": touched}
 
 
-class _Marks:
-    """Stage boundaries of one pass: CUDA events (read after the pass) or perf_counter."""
-
-    def __init__(self, dev: Any) -> None:
-        import torch
-
-        self.cuda = dev.type == "cuda"
-        if self.cuda:
-            self.events = [torch.cuda.Event(enable_timing=True)]
-            self.events[0].record()
-        else:
-            self.times = [time.perf_counter()]
-
-    def mark(self) -> None:
-        import torch
-
-        if self.cuda:
-            self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()
-        else:
-            self.times.append(time.perf_counter())
-
-    def elapsed_ms(self) -> list[float]:
-        if self.cuda:
-            self.events[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:], strict=False)]
-        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
 def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> None:
     """Device time per kernel of one replay of `graph` (CUPTI sees the kernels inside it), on stderr."""
     import torch
@@ -523,22 +497,6 @@ def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> No
     )
     for name, us, n in rows[:14]:
         print(f"#   {us / 1e3:8.3f} ms  x{n:<3} {name[:100]}", file=sys.stderr)
-
-
-def _copy_bandwidth(dev: Any) -> float:
-    """Measured bytes/s of a device copy, read + written (the floors' HBM / memory bandwidth)."""
-    import torch
-
-    n = (1 << 30) if dev.type == "cuda" else (64 << 20)
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        m = _Marks(dev)
-        b.copy_(a)
-        m.mark()
-        best = min(best, m.elapsed_ms()[0])
-    return 2 * n / (best * 1e-3)
 
 
 def _print_tables(rows: list[dict], bench: LayerBench) -> None:

@@ -207,44 +207,6 @@ class _Say:
             print(f"[bench dispatch {time.monotonic() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-class _Clock:
-    """Event pairs on a GPU (the device idle before the start), perf_counter on CPU; microseconds."""
-
-    def __init__(self, dev: torch.device, flush: bool) -> None:
-        import torch
-
-        self.cuda = dev.type == "cuda"
-        self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev) if flush and self.cuda else None
-
-    def evict(self) -> None:
-        """Enqueue an L2 flush (a no-op on CPU or when flushing is off)."""
-        if self._flush is not None:
-            self._flush.zero_()
-
-    def flush(self) -> None:
-        """Evict the L2, and let the device go idle, before a timed call."""
-        import torch
-
-        self.evict()
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def mark(self) -> Any:
-        import torch
-
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def between(self, a: Any, b: Any) -> float:
-        if not self.cuda:
-            return (b - a) * 1e6
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3
-
-
 class _Bench:
     """The grid's cases on this rank; `current` names the one running (for error messages)."""
 
@@ -271,12 +233,13 @@ class _Bench:
         from zerodram.launch.progress import progress_bar
         from zerodram.runtime.comm import EpLayout, ExpertPlacement
         from zerodram.runtime.comm.nvshmem_comm import heap_bytes
+        from zerodram.runtime.metrics.devtime import Clock, copy_bandwidth
 
         ctx, g = self.ctx, self.grid
         dev = ctx.device
-        self.copy_bw = _copy_bandwidth(dev)
+        self.copy_bw = copy_bandwidth(device=dev)
         self.link_bw, self.basis = _floor_basis(ctx, self.copy_bw)
-        self.clock = _Clock(dev, flush=not (self.args.no_flush or self.shared))
+        self.clock = Clock(dev, 0 if self.args.no_flush or self.shared else FLUSH_BYTES)
         self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         configs = list(itertools.product(g.experts, g.hidden, g.topk, self.wires))
         t_max = max(g.tokens)
@@ -365,14 +328,14 @@ class _Bench:
     def _eager(self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
         clock, d_times, c_times = self.clock, [], []
         for i in range(self.args.warmup + self.args.iters):
-            clock.flush()
+            clock.idle()
             a = clock.mark()
             out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
-            d = clock.between(a, clock.mark())
-            clock.flush()  # idle again: the combine's launches may not hide behind the dispatch
+            d = clock.between_ms(a, clock.mark()) * 1e3
+            clock.idle()  # idle again: the combine's launches may not hide behind the dispatch
             a = clock.mark()
             comm.combine(out.recv_x, out)
-            c = clock.between(a, clock.mark())
+            c = clock.between_ms(a, clock.mark()) * 1e3
             if i >= self.args.warmup:
                 d_times.append(d)
                 c_times.append(c)
@@ -423,7 +386,7 @@ class _Bench:
         """One more host-path call, its stages marked (CUDA events on a GPU: wall-like, since the
         path waits on the host in the middle)."""
         clock, marks = self.clock, []
-        clock.flush()
+        clock.idle()
         start = clock.mark()
         comm.on_stage = lambda name: marks.append((f"dispatch.{name}", clock.mark()))
         out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
@@ -432,7 +395,7 @@ class _Bench:
         comm.on_stage = lambda name: None
         stages, prev = {}, start
         for name, m in marks:
-            stages[name] = round(clock.between(prev, m), 2)
+            stages[name] = round(clock.between_ms(prev, m) * 1e3, 2)
             prev = m
         return stages
 
@@ -445,23 +408,6 @@ def _stderr_console() -> Any:
     from rich.console import Console
 
     return Console(stderr=True)
-
-
-def _copy_bandwidth(dev: torch.device) -> float:
-    """Measured bytes/s of a device copy, read + write counted (the one-rank floor's basis)."""
-    import torch
-
-    n = (256 << 20) if dev.type == "cuda" else (32 << 20)
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    clock, times = _Clock(dev, flush=False), []
-    for _ in range(5):
-        clock.flush()
-        t = clock.mark()
-        b.copy_(a)
-        times.append(clock.between(t, clock.mark()))
-    return 2 * n / (min(times) * 1e-6)
 
 
 def _floor_basis(ctx: RankContext, copy_bw: float) -> tuple[float, str]:

@@ -246,3 +246,15 @@ def test_agent_publishes_periodically_and_a_final_stopped_snapshot() -> None:
     last = RankSnapshot.from_json(bus.reader().read()[0])
     assert agent.num_published >= 3
     assert last.state == "stopped"
+
+
+def test_benchmark_clock_and_copy_bandwidth_on_cpu() -> None:
+    """The benchmarks' stage marks and copy bandwidth also run on CPU (perf_counter, ops synchronous)."""
+    from zerodram.runtime.metrics.devtime import Clock, copy_bandwidth
+
+    clock = Clock(torch.device("cpu"), flush_bytes=1 << 20)  # no flush buffer on CPU
+    a = clock.mark()
+    time.sleep(0.01)
+    clock.idle()
+    assert 5 <= clock.between_ms(a, clock.mark()) < 5000
+    assert copy_bandwidth(num_bytes=1 << 20, reps=4, device="cpu") > 1e6  # bytes/s, any CPU

@@ -1,8 +1,9 @@
-"""Device timing for the benchmarks: what one replay of a launch sequence costs on the GPU, and the
-copy bandwidth the floors are measured against. GPU only (CUDA events).
+"""Device timing for the benchmarks: what one replay of a launch sequence costs on the GPU, the
+copy bandwidth the floors are measured against, and marks between the stages of eager work.
 
     bw = copy_bandwidth()                                     # bytes read + written per second
-    ms = median_ms(lambda: kernel(...), reps=30, flush=buf)   # captured once, replayed
+    ms = median_ms(lambda: kernel(...), reps=30, flush=buf)   # GPU: captured once, replayed
+    clock = Clock(dev); a = clock.mark(); ...; clock.between_ms(a, clock.mark())   # GPU or CPU
 
 The time of a replay is the device's alone: a decode step runs as a graph, and timing eager
 launches from Python would measure the host. `flush` (a large tensor, read with .sum() before each
@@ -12,26 +13,67 @@ repetition) evicts L2 without leaving dirty lines the timed work would write bac
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30, reps: int = 10) -> float:
-    """Median bytes per second (read + write) of an eager device-to-device copy. Eager, not a graph:
-    replayed from a graph the same copy measured 2.8 TB/s on the H200 against 4.2 TB/s eager
-    (presumably a copy-engine memcpy node instead of an SM copy kernel)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
+class Clock:
+    """Marks between the stages of eager work: CUDA events on a GPU (recorded on the current
+    stream, read after the work), perf_counter on CPU (where torch ops are synchronous).
+
+    flush_bytes: a GPU buffer that `evict` overwrites, pushing the timed work's data out of L2
+    (0: none; on CPU `evict` does nothing).
+    """
+
+    def __init__(self, device: torch.device, flush_bytes: int = 0) -> None:
+        self.cuda = device.type == "cuda"
+        self._flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device) if flush_bytes and self.cuda else None
+
+    def mark(self) -> Any:
+        """A point in the work enqueued so far (an event, or the time now on CPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def between_ms(self, a: Any, b: Any) -> float:
+        """Milliseconds from mark a to mark b (waits for b on a GPU)."""
+        if not self.cuda:
+            return (b - a) * 1e3
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    return 2 * num_bytes / (statistics.median(times[2:]) * 1e-3)
+        return a.elapsed_time(b)
+
+    def evict(self) -> None:
+        """Enqueue the L2 flush (a no-op without a flush buffer)."""
+        if self._flush is not None:
+            self._flush.zero_()
+
+    def idle(self) -> None:
+        """Evict the L2 and let the device go idle before a timed call."""
+        self.evict()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def copy_bandwidth(num_bytes: int | None = None, reps: int = 10, device: torch.device | str = "cuda") -> float:
+    """Median bytes per second (read + write) of an eager copy on `device` (num_bytes default: 1 GiB
+    on a GPU, 64 MiB on CPU), the first two copies untimed. Eager, not a graph: replayed from a
+    graph the same copy measured 2.8 TB/s on the H200 against 4.2 TB/s eager (presumably a
+    copy-engine memcpy node instead of an SM copy kernel)."""
+    device = torch.device(device)
+    n = num_bytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    clock, times = Clock(device), []
+    for _ in range(reps):
+        a = clock.mark()
+        dst.copy_(src)
+        times.append(clock.between_ms(a, clock.mark()))
+    return 2 * n / (statistics.median(times[2:]) * 1e-3)
 
 
 def median_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor, *, graph: bool = True) -> float:
