@@ -1,0 +1,222 @@
+"""The paged caches' decode-time writes (runtime/kv/fp2_decode_write.py for FP2): a batched
+append_decode equals one append per sequence, the fixed-shape plan + write (what a CUDA graph
+captures; on CUDA the decode-write kernel) equals append_decode, a mirrored plan equals planning
+every layer, and bad decode appends are refused or flagged without writing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_cases import FORMATS, D, H, kv_tokens, make_cache
+
+from zerodram.runtime.errors import ConfigError, ZerodramError
+from zerodram.runtime.kv.errors import KVInputError
+
+
+def _state(c) -> list[torch.Tensor]:
+    """Every tensor a cache writes (pages, scales, offsets, the bf16 region's live rows; its rows
+    past a sequence's tail, the scratch page and the scratch slot are unspecified)."""
+    if c.format != "fp2":
+        return [c.k_pages, c.v_pages]
+    NP, slots = c.num_pages, c.tables.max_seqs
+    hp_k, hp_v = c.hp_k[:slots].clone(), c.hp_v[:slots].clone()
+    S = c.spec.num_sinks
+    for slot, n in c.tables.lens.items():
+        live = min(n, S) if n <= S else n - c.rule.num_quantized(n)  # sinks + tail rows
+        hp_k[slot, :, live:] = 0
+        hp_v[slot, :, live:] = 0
+    out = [hp_k, hp_v]
+    for side in (c.k, c.v):
+        out += [side.codes[:NP], side.scales[:NP]] + ([side.offsets[:NP]] if side.offsets is not None else [])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "device"),
+    [(f, "cpu") for f in FORMATS]
+    + [
+        pytest.param(f, "cuda", marks=pytest.mark.gpu) for f in ("fp2", "fp2:tail=1,window=32")
+    ],  # the CUDA kernels
+)
+def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> None:
+    """append_decode over a batch writes exactly what one append per sequence writes: sequences at
+    different lengths (sinks, a filling tail, flushes, page boundaries), joining and leaving."""
+    a, b = (make_cache(fmt, num_pages=24, max_seqs=6, device=device) for _ in range(2))
+    b2 = make_cache(fmt, num_pages=24, max_seqs=6, device=device)  # a second "layer" of b's partition
+    if hasattr(b, "index_memo"):
+        b2.index_memo = b.index_memo  # as RuntimeKVPartition shares it: b2 reuses b's indices
+    gen = torch.Generator().manual_seed(5)
+    starts = [0, 3, 31, 46, 63, 90]  # prefilled lengths before the decode steps
+    seqs = []
+    for n0 in starts:
+        sa, sb = a.new_sequence(), b.new_sequence()
+        assert sa == sb == b2.new_sequence()
+        if n0:
+            k, v = (t.to(device) for t in kv_tokens(n0, seed=n0))
+            a.append(sa, k, v)
+            b.append(sb, k, v)
+            b2.append(sb, k, v)
+        seqs.append(sa)
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]  # half of them leave at step 40
+        k = torch.randn(len(live), H, D, generator=gen).to(device)
+        v = torch.randn(len(live), H, D, generator=gen).to(device)
+        for i, s in enumerate(live):
+            a.append(s, k[i : i + 1], v[i : i + 1])
+        b.append_decode(live, k, v)
+        b2.append_decode(live, k, v)
+        assert [a.seq_len(s) for s in live] == [b.seq_len(s) for s in live]
+        assert a.tables.pages == b.tables.pages == b2.tables.pages
+    for ta, tb, tb2 in zip(_state(a), _state(b), _state(b2), strict=True):
+        assert torch.equal(ta, tb) and torch.equal(ta, tb2)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "device"),
+    [
+        ("fp2:tail=1,window=32", "cpu"),
+        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu"),
+        pytest.param("fp2:tail=1,window=32", "cuda", marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", marks=pytest.mark.gpu),  # DEFAULT_FP2
+        pytest.param(
+            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", marks=pytest.mark.gpu
+        ),
+    ],
+)
+def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None:
+    """The fixed-shape decode write (host plan + device write over a padded batch, what a CUDA
+    graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
+    flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot.
+    On CUDA the write is the decode-write kernel (kernels/kv_write.py) and `append_decode` the
+    torch reference; error feedback gets a random factor (calibration's shape, not its values)."""
+    import dataclasses
+
+    from zerodram.runtime.kv.decode_index import StaticDecodeIndex
+
+    a = make_cache(fmt, num_pages=24, max_seqs=6, device=device, static_kernel=False)  # the torch body
+    b = make_cache(fmt, num_pages=24, max_seqs=6, device=device)
+    assert a._static_write is None and (b._static_write is not None) == (device == "cuda")
+    if "fb=1" in fmt:
+        g = torch.Generator().manual_seed(3)
+        factor = (torch.eye(D) + 0.2 * torch.randn(H, D, D, generator=g).tril(-1)).transpose(1, 2)  # upper
+        for c in (a, b):
+            c.params = tuple(dataclasses.replace(p, feedback=factor) for p in c.params)
+    gen = torch.Generator().manual_seed(7)
+    seqs = []
+    for n0 in (0, 3, 31, 46, 63, 90):
+        sa, sb = a.new_sequence(), b.new_sequence()
+        assert sa == sb
+        if n0:
+            k, v = (t.to(device) for t in kv_tokens(n0, seed=n0))
+            a.append(sa, k, v)
+            b.append(sb, k, v)
+        seqs.append(sa)
+    Bp = 8
+    ix = StaticDecodeIndex.allocate(Bp, torch.device(device))
+    k_in, v_in = (torch.zeros(Bp, H, D, device=device) for _ in range(2))  # a graph's static inputs
+    graph = None
+    if device == "cuda":  # the write captured once, replayed every step (what the engine does)
+        ix.fill_scratch(b.scratch_slot, b.scratch_page)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b.write_decode_static(k_in, v_in, ix)  # warm-up, on scratch rows only
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            b.write_decode_static(k_in, v_in, ix)
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
+        k = torch.randn(Bp, H, D, generator=gen).to(device) * 3  # rows past len(live): padding
+        v = torch.randn(Bp, H, D, generator=gen).to(device) * 3
+        a.append_decode(live, k[: len(live)], v[: len(live)])
+        ix.fill(b.plan_decode_static(live), b.scratch_slot, b.scratch_page)
+        k_in.copy_(k)
+        v_in.copy_(v)
+        if graph is None:
+            b.write_decode_static(k_in, v_in, ix)
+        else:
+            graph.replay()
+        assert [a.seq_len(s) for s in live] == [b.seq_len(s) for s in live]
+    assert a.tables.pages == b.tables.pages
+    for ta, tb in zip(_state(a), _state(b), strict=True):
+        assert torch.equal(ta, tb)
+    assert not make_cache("fp2:tail=4,window=8").static_decode_ok
+    with pytest.raises(ConfigError, match="flush 1"):
+        make_cache("fp2:tail=4,window=8").plan_decode_static([])
+
+
+def test_mirrored_decode_plan_equals_planning_every_layer() -> None:
+    """A partition plans a decode step on layer 0 and mirrors it on the others: the same pages and
+    lengths as planning each layer, and a layer that has parted (another length, other pages)
+    raises instead of writing where the plan says."""
+    fmt = "fp2:tail=1,window=32"
+    lead, own, mirror = (make_cache(fmt, num_pages=24, max_seqs=6) for _ in range(3))
+    seqs = []
+    for n0 in (0, 3, 31, 46, 63, 90):
+        for c in (lead, own, mirror):
+            sid = c.new_sequence()
+            if n0:
+                c.append(sid, *kv_tokens(n0, seed=n0))
+        seqs.append(sid)
+    for step in range(70):
+        live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
+        assert own.plan_decode_static(live) == lead.plan_decode_static(live)
+        mirror.mirror_decode_static(live, lead, live)
+        assert mirror.tables.pages == own.tables.pages and mirror.tables.lens == own.tables.lens
+    other = make_cache(fmt, num_pages=24, max_seqs=6)
+    other.new_sequence()  # a slot the lead does not have: this layer keeps seqs[0] in slot 1
+    with pytest.raises(ZerodramError, match=r"slot 1, layer 0 in slot 0: .*parted"):
+        other.mirror_decode_static([1], lead, [seqs[0]])
+    one = [seqs[1]]  # at 73 tokens
+    mirror.tables.lens[one[0]] -= 1
+    lead.plan_decode_static(one)
+    with pytest.raises(ZerodramError, match=r"holds 72 tokens, layer 0's 73: .*parted"):
+        mirror.mirror_decode_static(one, lead, one)
+    mirror.tables.lens[one[0]] = lead.tables.lens[one[0]]
+    mirror.allocator.allocate(1)  # the mirror's pool moves alone: its next page differs
+    while len(lead.tables.pages[one[0]]) == len(mirror.tables.pages[one[0]]):
+        lead.plan_decode_static(one)
+        if len(lead.tables.pages[one[0]]) == len(mirror.tables.pages[one[0]]):
+            mirror.mirror_decode_static(one, lead, one)
+    with pytest.raises(ZerodramError, match=r"holds pages .*parted"):
+        mirror.mirror_decode_static(one, lead, one)
+
+
+def test_decode_append_refuses_and_writes_nothing() -> None:
+    c = make_cache("fp2", num_pages=3, layer_idx=2)
+    s0, s1 = c.new_sequence(), c.new_sequence()
+    k, v = kv_tokens(40)
+    c.append(s0, k, v)
+    before = [t.clone() for t in _state(c)]
+    bad = torch.zeros(2, H, D)
+    bad[1, 1, 7] = float("nan")
+    with pytest.raises(KVInputError, match=r"layer 2, KV head 1, position 0"):
+        c.append_decode([s0, s1], torch.zeros(2, H, D), bad)
+    with pytest.raises(KVInputError, match="twice"):
+        c.append_decode([s0, s0], torch.zeros(2, H, D), torch.zeros(2, H, D))
+    with pytest.raises(KVInputError, match=r"\[2, H, D\]"):
+        c.append_decode([s0, s1], torch.zeros(3, H, D), torch.zeros(3, H, D))
+    assert (c.seq_len(s0), c.seq_len(s1)) == (40, 0)
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(c), strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp2"])
+def test_decode_append_zero_mode_flags_rows_without_raising(fmt: str) -> None:
+    """on_nonfinite="zero": no exception and no host sync; the bad row is stored as zeros (what an
+    append of zeros stores) and flagged, the other rows are stored as given."""
+    a, b = make_cache(fmt, num_pages=8), make_cache(fmt, num_pages=8)
+    s = [a.new_sequence(), a.new_sequence()]
+    assert s == [b.new_sequence(), b.new_sequence()]
+    k, v = kv_tokens(2, seed=9)
+    bad_k = k.clone()
+    bad_k[1, 0, 3] = float("nan")
+    flags = a.append_decode(s, bad_k, v, on_nonfinite="zero")
+    assert flags.tolist() == [False, True]
+    clean_k = k.clone()
+    clean_k[1, 0, 3] = 0.0
+    b.append_decode(s, clean_k, v)
+    assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b), strict=True))
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        a.append_decode(s, k, v, on_nonfinite="skip")
