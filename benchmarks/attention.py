@@ -1,6 +1,7 @@
 """Decode attention: fused FP2 kernels vs FP16 SDPA (GQA), bytes read, bandwidth, speedup.
 
     python benchmarks/attention.py [--json] [--batches 1,8,32] [--lengths 8192,32768,131072]
+    python benchmarks/attention.py --batches 8 --lengths 8192 --splits 0,2,3,4,5,6,8 --no-fp16
     zerodram bench attention ...
 
 Shape legend: B seqs, L context (FP2 tokens; plus 36 bf16 sink/tail tokens), Hq = 32 query heads,
@@ -41,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="quad",
         help="value page layouts to time each variant on (token, quad: what the cache stores), comma separated",
     )
+    p.add_argument(
+        "--splits",
+        default="0",
+        help="split counts to time each variant at, comma separated (0: the plan's; a forced count "
+        "beyond the workspace the plan sizes is skipped)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
 
@@ -80,13 +87,23 @@ def _case(
         name += "-quad" if v_layout == "quad" else ""
         # random words are as random in either layout: the same pools, labelled
         vl_layer = replace(layer, v_layout=v_layout)
-        ms = median_ms(
-            lambda att=att, vl_layer=vl_layer: att(q, vl_layer, batch, max_len=L), args.reps, flush
-        )
-        row[f"fp2_ms_{name}"] = ms
-        if "fp2_ms" not in row or ms < row["fp2_ms"]:
-            row["fp2_ms"], row["fp2_config"], row["splits"] = ms, name, att.plan(B, L)[0]
-            best, best_layer = att, vl_layer
+        for forced in (x or None for x in args.splits):
+            splits = att.plan(B, L)[0] if forced is None else att.split(L, forced)[0]
+            if splits > att.max_splits:
+                print(f"# B={B} L={L}: {forced} splits exceed the workspace's {att.max_splits}, skipped", file=sys.stderr)
+                continue
+            tag = name if forced is None else f"{name}-s{splits}"
+            ms = median_ms(
+                lambda att=att, vl_layer=vl_layer, forced=forced: att(q, vl_layer, batch, max_len=L, num_splits=forced),
+                args.reps,
+                flush,
+            )
+            row[f"fp2_ms_{tag}"] = ms
+            if "fp2_ms" not in row or ms < row["fp2_ms"]:
+                row["fp2_ms"], row["fp2_config"], row["splits"] = ms, tag, splits
+                best, best_layer, best_forced = att, vl_layer, forced
+    if "fp2_ms" not in row:
+        raise SystemExit(f"B={B} L={L}: every --splits count exceeds the workspace; nothing was timed")
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
     row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
     writer = Fp2Writer(head_dim=D, device=dev, v_layout=best_layer.v_layout)
@@ -103,7 +120,7 @@ def _case(
             both = median_ms(
                 lambda y=y, s=s, f=f: (
                     writer.write(y, s, f, best_layer, batch.block_table),
-                    best(q, best_layer, batch, max_len=L),
+                    best(q, best_layer, batch, max_len=L, num_splits=best_forced),
                 ),
                 args.reps,
                 flush,
@@ -133,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    args.splits = [int(x) for x in args.splits.split(",")]
+    if any(x < 0 for x in args.splits):
+        print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
+        return 2
     defaults = (4, 4, 1, None)  # warps, stages, min blocks, key_s8 (None: the runtime's choice)
     configs = []
     for c in args.configs.split(","):

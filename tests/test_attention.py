@@ -18,6 +18,7 @@ from zerodram.kernels.attention import Fp2KernelConfig
 from zerodram.kernels.jit import compile_cubin
 from zerodram.runtime.attention import (
     DecodeBatch,
+    Fp2DecodeAttention,
     Fp2Writer,
     dequantize_pages,
     random_decode_batch,
@@ -259,6 +260,8 @@ def test_validation_names_both_sides() -> None:
         att(torch.randn(1, 8, 128).half(), layer, batch)
     with pytest.raises(KVInputError, match=r"q must be contiguous"):
         att(torch.randn(1, 128, 8).transpose(1, 2), layer, batch)
+    with pytest.raises(KVInputError, match=r"num_splits must be at least 1"):
+        att(torch.randn(1, 8, 128), layer, batch, num_splits=0)
     oob = DecodeBatch(batch.block_table + 100, *list(vars(batch).values())[1:])
     with pytest.raises(KVInputError, match=r"outside the pool of 4 pages"):
         att.check_tables(layer, oob)
@@ -266,6 +269,16 @@ def test_validation_names_both_sides() -> None:
         make_attention("cpu", Hq=32, Hkv=2)
     with pytest.raises(ConfigError, match=r"multiple of 32"):
         make_attention("cpu", P=48)
+
+
+def test_forced_splits_cover_the_range_in_stages() -> None:
+    """`split` (the plan's rounding, and `num_splits=` forced): multiples of the 32-token stage
+    whose count covers max_len, fewer than asked where max_len is short."""
+    for L in (1, 31, 33, 1000, 8192, 131072):
+        for s in (1, 3, 6, 48):
+            n, tokens = Fp2DecodeAttention.split(L, s)
+            assert tokens % 32 == 0 and 1 <= n <= s and (n - 1) * tokens < L <= n * tokens, (L, s, n, tokens)
+    assert Fp2DecodeAttention.split(8192, 6) == (6, 1376) and Fp2DecodeAttention.split(40, 4) == (2, 32)
 
 
 def test_plan_fills_whole_waves_and_respects_the_minimum_split() -> None:

@@ -156,7 +156,14 @@ class Fp2DecodeAttention:
             late = rows * (s + 1) > waves * slots  # some bf16 CTAs wait for a slot
             return waves * (L / s + self.SPLIT_OVERHEAD_TOKENS) + late * self.SPLIT_OVERHEAD_TOKENS
 
-        splits = min(range(1, most + 1), key=cost)
+        return self.split(L, min(range(1, most + 1), key=cost))
+
+    @staticmethod
+    def split(max_len: int, splits: int) -> tuple[int, int]:
+        """(num_splits, split_tokens) of `splits` CTAs over max_len tokens: split_tokens a multiple
+        of the 32-token stage, so the last split holds the remainder (and fewer than `splits`
+        remain where max_len is short)."""
+        L = max(max_len, 1)
         split_tokens = 32 * math.ceil(L / splits / 32)
         return math.ceil(L / split_tokens), split_tokens
 
@@ -232,23 +239,34 @@ class Fp2DecodeAttention:
                 raise KVInputError(f"sequence {b}: page ids {used.tolist()} outside the pool of {NP} pages")
 
     def __call__(
-        self, q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch, max_len: int | None = None
+        self,
+        q: torch.Tensor,
+        layer: Fp2Layer,
+        batch: DecodeBatch,
+        max_len: int | None = None,
+        num_splits: int | None = None,
     ) -> torch.Tensor:
         """Attention of q [B, Hq, D] (stored key space) -> [B, Hq, D] fp32 (stored value space).
 
         max_len: a host-side bound on fp2_len (default: max_fp2_tokens); it sizes the grid, so under
         CUDA-graph capture pass the bound the graph must serve. A sequence longer than the grid
-        covers gets NaN outputs (the kernel's merge checks), never attention over part of it. On GPU the result is a view of a
-        preallocated buffer, overwritten by the next call.
+        covers gets NaN outputs (the kernel's merge checks), never attention over part of it.
+        num_splits: split the FP2 tokens this many ways instead of the plan's way (tuning, and
+        `benchmarks/attention.py --splits`); at most the workspace's max_splits. The reference
+        (CPU) does not split. On GPU the result is a view of a preallocated buffer, overwritten by
+        the next call.
         """
         self.check(q, layer, batch)
+        if num_splits is not None and num_splits < 1:
+            raise KVInputError(f"num_splits must be at least 1, got {num_splits}")
         if not self.on_gpu:
             return reference_decode(q, layer, batch, self.softmax_scale, self.scale_dtype)
-        B = q.shape[0]
-        num_splits, split_tokens = self.plan(B, self.max_fp2_tokens if max_len is None else max_len)
+        B, L = q.shape[0], self.max_fp2_tokens if max_len is None else max_len
+        num_splits, split_tokens = self.plan(B, L) if num_splits is None else self.split(L, num_splits)
         if num_splits > self.max_splits:
             raise KVInputError(
-                f"max_len {max_len} needs {num_splits} splits, workspace has {self.max_splits}"
+                f"max_len {L} in {num_splits} splits: the workspace holds {self.max_splits} (max_fp2_tokens "
+                f"{self.max_fp2_tokens}, max_batch {self.max_batch})"
             )
         o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
         self.kernels.decode(
