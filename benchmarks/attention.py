@@ -53,9 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _case(
-    B: int, L: int, configs: list[tuple[int, int, int, int | None]], args: argparse.Namespace, flush, copy_bw: float
+    B: int,
+    L: int,
+    configs: list[tuple[int, int, int, int | None]],
+    forced_splits: list[int | None],
+    args: argparse.Namespace,
+    flush,
+    copy_bw: float,
 ) -> dict:
-    """Time FP2 decode (each kernel variant), the write kernel and FP16 SDPA for one (B, L)."""
+    """Time FP2 decode (each kernel variant at each split count; None: the plan's), the write
+    kernel and FP16 SDPA for one (B, L)."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -87,7 +94,7 @@ def _case(
         name += "-quad" if v_layout == "quad" else ""
         # random words are as random in either layout: the same pools, labelled
         vl_layer = replace(layer, v_layout=v_layout)
-        for forced in (x or None for x in args.splits):
+        for forced in forced_splits:
             splits = att.plan(B, L)[0] if forced is None else att.split(L, forced)[0]
             if splits > att.max_splits:
                 print(f"# B={B} L={L}: {forced} splits exceed the workspace's {att.max_splits}, skipped", file=sys.stderr)
@@ -143,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
 
     from zerodram.runtime.metrics.devtime import copy_bandwidth
 
+    forced_splits = [int(x) or None for x in args.splits.split(",")]
+    if any(x is not None and x < 0 for x in forced_splits):
+        print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -150,10 +161,6 @@ def run(args: argparse.Namespace) -> int:
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    args.splits = [int(x) for x in args.splits.split(",")]
-    if any(x < 0 for x in args.splits):
-        print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
-        return 2
     defaults = (4, 4, 1, None)  # warps, stages, min blocks, key_s8 (None: the runtime's choice)
     configs = []
     for c in args.configs.split(","):
@@ -167,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
-            row = _case(B, L, configs, args, flush, copy_bw)
+            row = _case(B, L, configs, forced_splits, args, flush, copy_bw)
             rows.append(row)
             if args.json:
                 print(

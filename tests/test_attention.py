@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from attention_cases import kernel_side, kv_cache_case, make_attention
+from bench_cli import assert_refuses_without_gpu, run_bench
 
 from zerodram.kernels.attention import Fp2KernelConfig
 from zerodram.kernels.jit import compile_cubin
@@ -310,3 +311,11 @@ def test_matches_kv_reference_decode_on_a_real_cache() -> None:
     att = make_attention("cpu", max_tokens=1024, v_layout=cache.v.layout)
     ref = reference_decode_attention(q, cache, sids)
     torch.testing.assert_close(kernel_side(att, cache, sids, q, 4), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_refuses_negative_split_counts_and_runs_only_on_a_gpu() -> None:
+    """`zerodram bench attention`: a bad --splits is refused before anything else (exit 2, named);
+    without a GPU the benchmark says it needs one."""
+    out = run_bench(["attention", "--splits", "0,4,-1"])
+    assert out.returncode == 2 and "--splits takes counts >= 0" in out.stderr, out.stderr[-2000:]
+    assert_refuses_without_gpu("attention")
