@@ -61,7 +61,7 @@ class Clock:
 
 def copy_bandwidth(num_bytes: int | None = None, reps: int = 10, device: torch.device | str = "cuda") -> float:
     """Median bytes per second (read + write) of an eager copy on `device` (num_bytes default: 1 GiB
-    on a GPU, 64 MiB on CPU), the first two copies untimed. Eager, not a graph: replayed from a
+    on a GPU, 64 MiB on CPU), the first two copies left out of the median. Eager, not a graph: replayed from a
     graph the same copy measured 2.8 TB/s on the H200 against 4.2 TB/s eager (presumably a
     copy-engine memcpy node instead of an SM copy kernel)."""
     device = torch.device(device)
