@@ -81,9 +81,9 @@ class Fp2KernelConfig:
         return max(ring, combine, bf16)
 
     def merge_smem_bytes(self, max_splits: int) -> int:
-        """Shared memory the last CTA of a row merges in: a weight per head and partial (at most
-        max_splits of them: the FP2 splits and the bf16 slot) and 1 / l per head."""
-        return 4 * self.group * (max_splits + 1)
+        """Shared memory the last CTA of a row merges in: per head and partial (at most max_splits
+        of them: the FP2 splits and the bf16 slot) its m, then weight, and its l; 1 / l per head."""
+        return 4 * self.group * (2 * max_splits + 1)
 
 
 class Fp2Kernels:

@@ -155,36 +155,55 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
     return;
   }
   const int n = n_run + 1;  // partial i: slot i for i < n_run, the bf16 slot num_splits last
-  float* wts = smem;        // [G, n] weights
-  float* inv_l = wts + GROUP * n;  // [G]
+  float* wts = smem;               // [G, n] the partials' m, then their weights
+  float* ls = wts + GROUP * n;     // [G, n] the partials' l
+  float* inv_l = ls + GROUP * n;   // [G]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int h = warp; h < GROUP; h += NUM_WARPS) {
+    // One round trip for (m, l), kept in shared memory for the weights (each lane reads back only
+    // what it wrote): the merge is on the kernel's critical path, and every L2 round trip of it
+    // counts at B = 1.
     float mx = ZD_NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, __ldcg(rp.ml_at(h, i < n_run ? i : num_splits)));
+    for (int i = lane; i < n; i += 32) {
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(rp.ml_at(h, i < n_run ? i : num_splits)));
+      wts[h * n + i] = ml.x, ls[h * n + i] = ml.y;
+      mx = fmaxf(mx, ml.x);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float l = 0.f;
     for (int i = lane; i < n; i += 32) {
-      const float* ml = rp.ml_at(h, i < n_run ? i : num_splits);
-      const float m = __ldcg(ml);
+      const float m = wts[h * n + i];
       const float w = m == ZD_NEG_INF ? 0.f : ex2(m - mx);  // a partial without tokens weighs 0
       wts[h * n + i] = w;
-      l += w * __ldcg(ml + 1);
+      l += w * ls[h * n + i];
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
     if (lane == 0) inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a sequence with no token at all: zeros
   }
   __syncthreads();
-  // A thread per (head, 4 channels) walks the partials with float4 loads, 8 in flight.
+  // A thread per (head, 4 channels) walks the partials in chunks of kMergeChunk float4 loads, all
+  // of a chunk in flight whatever n is (predicated: a partial past n is not read and weighs 0; an
+  // unrolled loop over n would run a short row's partials through its remainder, one at a time).
+  constexpr int kMergeChunk = 16;
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int i = 0; i < n; ++i) {
-      const float w = wts[h * n + i];
-      const float4 p = __ldcg(reinterpret_cast<const float4*>(rp.o_at(h, i < n_run ? i : num_splits) + c));
-      acc.x = fmaf(w, p.x, acc.x), acc.y = fmaf(w, p.y, acc.y), acc.z = fmaf(w, p.z, acc.z), acc.w = fmaf(w, p.w, acc.w);
+    for (int i0 = 0; i0 < n; i0 += kMergeChunk) {
+      float4 p[kMergeChunk];
+#pragma unroll
+      for (int j = 0; j < kMergeChunk; ++j) {
+        const int i = i0 + j;
+        p[j] = i < n ? __ldcg(reinterpret_cast<const float4*>(rp.o_at(h, i < n_run ? i : num_splits) + c))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kMergeChunk; ++j) {
+        const float w = i0 + j < n ? wts[h * n + i0 + j] : 0.f;
+        acc.x = fmaf(w, p[j].x, acc.x), acc.y = fmaf(w, p[j].y, acc.y), acc.z = fmaf(w, p[j].z, acc.z);
+        acc.w = fmaf(w, p[j].w, acc.w);
+      }
     }
     const float il = inv_l[h];
     *reinterpret_cast<float4*>(out + h * D + c) = make_float4(acc.x * il, acc.y * il, acc.z * il, acc.w * il);
