@@ -478,18 +478,14 @@ class LayerBench:
 
 def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> None:
     """Device time per kernel of one replay of `graph` (CUPTI sees the kernels inside it), on stderr."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from zerodram.runtime.metrics.devtime import device_activity
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.sum()
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / reps, e.count // reps) for e in prof.key_averages()]
-    rows = [r for r in rows if r[1] > 0]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
+    def one() -> None:
+        flush.sum()
+        graph.replay()
+
+    rows = device_activity(one, reps)
+    total = sum(us for _, us, _ in rows)
     print(
         f"# kernels of one {label} replay: {total / 1e3:.3f} ms of kernel time, including one 256 MB "
         "L2-flush reduction (about 0.06 ms) that is not part of the step",

@@ -16,12 +16,9 @@ CPU; median and p90 per case. A table, then one JSON line per case (`--json`).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -83,36 +80,16 @@ def _time_steps(
 
 
 def _profile_steps(engine, n: int) -> None:
-    """The device activity of `n` decode steps, from the profiler's trace: per step the kernels and
-    copies and their summed time, then the busiest kernel names. (The trace, not `key_averages`:
-    on a replayed graph of ~3,000 nodes the latter counted ~1,300 kernels and 2 ms of a 6 ms step
-    on torch 2.11.)"""
-    from torch.profiler import ProfilerActivity, profile
+    """The device activity of `n` decode steps: per step the kernels and copies and their summed
+    time, then the busiest kernel names."""
+    from zerodram.runtime.metrics.devtime import device_activity
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            engine.step()
-            torch.cuda.synchronize()  # a step's activity ends before the next starts
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
-    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
-    acts = [e for e in trace if e.get("ph") == "X" and e.get("cat") in kinds]
-    busy = sum(e["dur"] for e in acts)
-    print(f"profile: per step {len(acts) / n:.0f} kernels and copies, {busy / n / 1e3:.3f} ms of device time")
-    by = collections.Counter()
-    count = collections.Counter()
-    for e in acts:
-        by[e["name"][:80]] += e["dur"]
-        count[e["name"][:80]] += 1
+    acts = device_activity(engine.step, n)
+    print(f"profile: per step {sum(c for _, _, c in acts):.0f} kernels and copies, "
+          f"{sum(us for _, us, _ in acts) / 1e3:.3f} ms of device time")  # fmt: skip
     print(f"{'us per step':>12} {'count':>6}  kernel (all {n} steps)")
-    for name, us in by.most_common(15):
-        print(f"{us / n:12.1f} {count[name] // n:6d}  {name}")
+    for name, us, c in acts[:15]:
+        print(f"{us:12.1f} {c:6d}  {name[:80]}")
 
 
 def _graph_mode(engine) -> str | None:
