@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from zerodram.runtime.attention import Fp2DecodeAttention
+from zerodram.runtime.attention import Fp2DecodeAttention, random_decode_batch, random_fp2_layer
 
 
 def make_attention(
@@ -22,6 +22,19 @@ def make_attention(
         num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=8, max_fp2_tokens=max_tokens,
         device=device, **kw,
     )  # fmt: skip
+
+
+def paged_case(lengths: list[int], hp: list[int], seed: int, *, Hkv: int, P: int, D: int, device: str,
+               hp_max: int | None = None, **layer_kw):
+    """(layer, batch, generator): random FP2 pages for `lengths` FP2 tokens and `hp` bf16 tokens per
+    sequence (exactly the pages they need), drawn from a fresh generator seeded with `seed`, which
+    is returned for the test's further draws."""
+    pages = sum(math.ceil(n / P) for n in lengths)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layer = random_fp2_layer(pages, Hkv, P, D, device=device, generator=gen, **layer_kw)
+    extra = {} if hp_max is None else {"hp_max": hp_max}
+    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=device, generator=gen, **extra)
+    return layer, batch, gen
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from attention_cases import kernel_side, kv_cache_case, make_attention, rel_error
+from attention_cases import kernel_side, kv_cache_case, make_attention, paged_case, rel_error
 
 from zerodram.runtime.attention import (
     DecodeBatch,
@@ -95,10 +95,7 @@ def test_gpu_decode_matches_reference(
 def test_gpu_decode_long_context(L: int, key_s8: bool, v_layout: str) -> None:
     D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
     lengths = [L, max(1, L // 3)]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(L)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout=v_layout)
-    batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(lengths, [4, 36], L, Hkv=Hkv, P=P, D=D, device=dev, v_layout=v_layout)
     att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=131072, key_s8=key_s8, v_layout=v_layout)
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
     att.out.fill_(float("nan"))
@@ -118,10 +115,9 @@ def test_gpu_decode_growing_and_peaky_scores(q_scale: float, key_s8: bool, v_lay
 
     D, G, Hkv, P, B, dev = 128, 4, 2, 64, 3, "cuda"
     lengths = [3000, 2048, 700]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(int(q_scale) * 10)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout=v_layout)
-    batch = random_decode_batch(lengths, [4, 0, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(
+        lengths, [4, 0, 36], int(q_scale) * 10, Hkv=Hkv, P=P, D=D, device=dev, v_layout=v_layout
+    )
     for b, n in enumerate(lengths):
         used = math.ceil(n / P)
         for i in range(used):  # page i of the sequence gets key scales around 2^(-2 + 4 i / used)
@@ -177,12 +173,9 @@ def test_gpu_int8_keys_other_codebooks(key_levels: str) -> None:
 
     D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
     lengths = [3000, 700, 33]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(11)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(lengths, [4, 0, 36], 11, Hkv=Hkv, P=P, D=D, device=dev)
     kl = named_levels("sig") if key_levels == "sig" else torch.tensor([-2.0, -0.25, 0.25, 2.0])
     layer.levels[:4] = kl.float().to(dev)
-    batch = random_decode_batch(lengths, [4, 0, 36], pages, Hkv, P, D, device=dev, generator=gdev)
     att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096)
     assert att.key_s8
     att.check_tables(layer, batch)
@@ -200,10 +193,7 @@ def test_gpu_query_heads_of_very_different_size(key_s8: bool) -> None:
     largest, must keep its precision (the int8 keys scale each head's query on its own)."""
     D, G, Hkv, P, dev = 128, 8, 2, 64, "cuda"
     lengths = [2000, 300]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(13)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
-    batch = random_decode_batch(lengths, [4, 36], pages, Hkv, P, D, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(lengths, [4, 36], 13, Hkv=Hkv, P=P, D=D, device=dev)
     att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, key_s8=key_s8)
     size = torch.exp2(-torch.arange(G, device=dev, dtype=torch.float32) * 12 / (G - 1)).repeat(Hkv)  # [Hq]
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev) * 4 * size[None, :, None]
@@ -220,10 +210,7 @@ def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
     (loud), the others exact."""
     D, G, Hkv, P, dev = 128, 4, 2, 64, "cuda"
     lengths = [5000, 300]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(5)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev)
-    batch = random_decode_batch(lengths, [4, 4], pages, Hkv, P, D, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(lengths, [4, 4], 5, Hkv=Hkv, P=P, D=D, device=dev)
     att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=8192)
     q = torch.randn(2, G * Hkv, D, device=dev, generator=gdev)
     out = att(q, layer, batch, max_len=1024).clone()  # 1 split of 1024 tokens
@@ -239,10 +226,7 @@ def test_gpu_bf16_region_in_chunks_and_sequences_without_tokens(G: int) -> None:
     of different batch sizes (a stale count would leave a row unmerged: the poisoned NaN)."""
     D, Hkv, P, dev = 128, 2, 64, "cuda"
     lengths, hp = [700, 0, 2000, 0, 65], [100, 70, 33, 0, 32]
-    pages = sum(math.ceil(n / P) for n in lengths)
-    gdev = torch.Generator(device=dev).manual_seed(G)
-    layer = random_fp2_layer(pages, Hkv, P, D, device=dev, generator=gdev, v_layout="quad")
-    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, hp_max=100, device=dev, generator=gdev)
+    layer, batch, gdev = paged_case(lengths, hp, G, Hkv=Hkv, P=P, D=D, device=dev, hp_max=100, v_layout="quad")
     att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, max_tokens=4096, v_layout="quad")
     for B in (5, 3, 5, 1):
         sub = DecodeBatch(*(t[:B] if t.dim() < 4 else t for t in vars(batch).values()))
