@@ -492,7 +492,7 @@ def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> No
         file=sys.stderr,
     )
     for name, us, n in rows[:14]:
-        print(f"#   {us / 1e3:8.3f} ms  x{n:<3} {name[:100]}", file=sys.stderr)
+        print(f"#   {us / 1e3:8.3f} ms  x{n:<3.0f} {name[:100]}", file=sys.stderr)
 
 
 def _print_tables(rows: list[dict], bench: LayerBench) -> None:

@@ -89,7 +89,7 @@ def _profile_steps(engine, n: int) -> None:
           f"{sum(us for _, us, _ in acts) / 1e3:.3f} ms of device time")  # fmt: skip
     print(f"{'us per step':>12} {'count':>6}  kernel (all {n} steps)")
     for name, us, c in acts[:15]:
-        print(f"{us:12.1f} {c:6d}  {name[:80]}")
+        print(f"{us:12.1f} {c:6.0f}  {name[:80]}")
 
 
 def _graph_mode(engine) -> str | None:

@@ -25,15 +25,14 @@ def make_attention(
 
 
 def paged_case(lengths: list[int], hp: list[int], seed: int, *, Hkv: int, P: int, D: int, device: str,
-               hp_max: int | None = None, **layer_kw):
+               hp_max: int = 36, **layer_kw):
     """(layer, batch, generator): random FP2 pages for `lengths` FP2 tokens and `hp` bf16 tokens per
     sequence (exactly the pages they need), drawn from a fresh generator seeded with `seed`, which
     is returned for the test's further draws."""
     pages = sum(math.ceil(n / P) for n in lengths)
     gen = torch.Generator(device=device).manual_seed(seed)
     layer = random_fp2_layer(pages, Hkv, P, D, device=device, generator=gen, **layer_kw)
-    extra = {} if hp_max is None else {"hp_max": hp_max}
-    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, device=device, generator=gen, **extra)
+    batch = random_decode_batch(lengths, hp, pages, Hkv, P, D, hp_max=hp_max, device=device, generator=gen)
     return layer, batch, gen
 
 
