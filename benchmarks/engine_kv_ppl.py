@@ -8,7 +8,11 @@ engine's model, paged attention and KV partition, built exactly as `zerodram gen
 (FP2 constants from the engine's calibration step, on the end of the same text). The reference is
 fp32 KV pages. Prints one JSON line per format (and appends it to
 benchmarks/results/engine_kv_ppl.jsonl with --save). Chunks of C tokens let each query see up to
-C - 1 extra full-precision keys: `--chunk 1` is decode exactly, and slow.
+C - 1 extra full-precision keys: `--chunk 1` attends as decode does; `--decode` runs every token
+after the first as a decode row, the serving path itself (for FP2 the fused decode attention), and
+is slow. `--value-product e4m3` (with --decode) scores FP2 formats again with the decode attention
+emulating an FP8 value product (runtime/attention/reference.py, VALUE_PRODUCTS): a probe for kernel
+design, docs/fp2-kernel.md "An FP8 value product".
 """
 
 from __future__ import annotations
@@ -40,36 +44,45 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--decode", action="store_true", help="score by decode rows (one step per token)")
+    p.add_argument(
+        "--value-product", nargs="+", default=["exact"], help="exact | e4m3 (FP2 formats, with --decode)"
+    )
     p.add_argument("--save", action="store_true", help=f"append the lines to {RESULTS.name}")
     args = p.parse_args()
+    if set(args.value_product) != {"exact"} and not args.decode:
+        p.error("--value-product other than exact acts on the decode attention: add --decode")
 
-    def nll(kv: str, calibration: str) -> tuple[float, int, object]:
+    def nll(kv: str, calibration: str, value_product: str = "exact") -> tuple[float, int, object]:
         cfg = EngineConfig(
             kv_format=kv,
             num_kv_pages=args.ctx // 32 + 2,
             kv_calibration=calibration,
             kv_calibration_tokens=args.calibration_tokens,
+            decode_value_product=value_product,
         )
         engine = build_engine(args.model, None, cfg)
         ids = pydoc_ids(engine.tokenizer, args.ctx * args.windows)
         total = 0.0
         for w in range(args.windows):
-            s = score_tokens(engine, ids[w * args.ctx : (w + 1) * args.ctx], chunk=args.chunk)
+            s = score_tokens(engine, ids[w * args.ctx : (w + 1) * args.ctx], chunk=args.chunk, decode=args.decode)
             total -= float(s.logprobs.sum())
         return total, args.windows * (args.ctx - 1), engine.kv_calibration
 
     ref_nll, n, _ = nll("fp32", "none")
     ppl_ref = math.exp(ref_nll / n)
-    for kv in args.kv:
+    runs = [(kv, vp) for kv in args.kv for vp in (args.value_product if kv.startswith("fp2") else ["exact"])]
+    for kv, vp in runs:
         t0 = time.perf_counter()
-        total, n, cal = nll(kv, args.calibration)
+        total, n, cal = nll(kv, args.calibration, vp)
         ppl = math.exp(total / n)
         line = {
             "kv": kv,
             "calibration": cal.summary if cal is not None else "none",
             "ctx": args.ctx,
             "windows": args.windows,
-            "chunk": args.chunk,
+            "chunk": "decode" if args.decode else args.chunk,
+            "value_product": vp,
             "num_scored": n,
             "ppl": round(ppl, 4),
             "ppl_ref_fp32": round(ppl_ref, 4),

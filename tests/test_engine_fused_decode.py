@@ -184,3 +184,33 @@ def test_engine_fused_matches_gather_on_smollm2(capsys: pytest.CaptureFixture) -
             first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
             print(f"\nfused vs gather FP2 decode, {q!r}: first divergence at {first}")
     assert fused == gather
+
+
+def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
+    """score_tokens(decode=True) scores through decode rows: on fp32 pages the same log-probs as
+    prefilled chunks of one token (same attention, two code paths; 1e-4); on FP2 pages through the
+    fused path, whose e4m3 value-product emulation moves them (not identical; on this random model
+    by ~0.05 nats on average, 0.1 allowed, what it costs a trained model is benchmarks/engine_kv_ppl.py's
+    question). A value product that no path can honour is refused at construction."""
+    from zerodram.runtime.engine.score import score_tokens
+    from zerodram.runtime.errors import ConfigError
+
+    ids = [int(x) for x in torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(5))]
+
+    def engine(kv: str, vp: str = "exact") -> Engine:
+        model = Transformer(TINY64, random_weights(TINY64, None, 0, seed=3, dtype=torch.float32))
+        return Engine(model, EngineConfig(kv_format=kv, num_kv_pages=8, decode_value_product=vp))
+
+    fp32 = engine("fp32")
+    torch.testing.assert_close(
+        score_tokens(fp32, ids, decode=True).logprobs, score_tokens(fp32, ids, chunk=1).logprobs, rtol=1e-4, atol=1e-4
+    )
+    spec = "fp2:sinks=2,tail=1,window=8"
+    exact, fp8 = engine(spec), engine(spec, "e4m3")
+    assert isinstance(fp8.attn.decode, Fp2FusedDecode) and fp8.attn.decode.attn.value_product == "e4m3"
+    a, b = score_tokens(exact, ids, decode=True).logprobs, score_tokens(fp8, ids, decode=True).logprobs
+    assert not torch.equal(a, b) and float((a - b).abs().mean()) < 0.1, float((a - b).abs().mean())
+    with pytest.raises(ConfigError, match="decode_value_product"):
+        EngineConfig(decode_value_product="e5m2")
+    with pytest.raises(ConfigError, match="fused FP2 decode"):
+        engine("bf16", "e4m3")

@@ -32,6 +32,7 @@ from zerodram.runtime.attention.inputs import (
 )
 from zerodram.runtime.attention.reference import (
     LOG2E,
+    VALUE_PRODUCTS,
     dequantize_pages,
     finish_output,
     int8_key_levels,
@@ -42,6 +43,7 @@ from zerodram.runtime.attention.writer import Fp2Writer
 
 __all__ = [
     "LOG2E",
+    "VALUE_PRODUCTS",
     "DecodeBatch",
     "Fp2DecodeAttention",
     "Fp2Layer",

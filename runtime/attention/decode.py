@@ -13,7 +13,7 @@ import math
 import torch
 
 from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer, expect_input
-from zerodram.runtime.attention.reference import LOG2E, int8_key_levels, reference_decode
+from zerodram.runtime.attention.reference import LOG2E, VALUE_PRODUCTS, int8_key_levels, reference_decode
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError
@@ -37,6 +37,8 @@ class Fp2DecodeAttention:
             "quad" needs v_block >= 16.
         timeline: a measuring build whose CTAs stamp the GPU's clock at fixed points into
             `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
+        value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
+            "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -62,6 +64,7 @@ class Fp2DecodeAttention:
         key_s8: bool | None = None,
         v_layout: CodeLayout = "token",
         timeline: bool = False,
+        value_product: str = "exact",
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -83,6 +86,11 @@ class Fp2DecodeAttention:
                 f"the quad value layout needs value blocks of at least 16 channels, got {v_block}"
             )
         self.v_layout = v_layout
+        if value_product not in VALUE_PRODUCTS:
+            raise ConfigError(f"value_product must be one of {VALUE_PRODUCTS}, got {value_product!r}")
+        if value_product != "exact" and canonical_device(device).type == "cuda":
+            raise ConfigError(f"value_product {value_product!r} is a CPU emulation: no kernel computes it yet")
+        self.value_product = value_product
         if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
             key_s8 = k_block >= 64
         if key_s8 and k_block < 64:
@@ -260,7 +268,7 @@ class Fp2DecodeAttention:
         if num_splits is not None and num_splits < 1:
             raise KVInputError(f"num_splits must be at least 1, got {num_splits}")
         if not self.on_gpu:
-            return reference_decode(q, layer, batch, self.softmax_scale, self.scale_dtype)
+            return reference_decode(q, layer, batch, self.softmax_scale, self.scale_dtype, self.value_product)
         B, L = q.shape[0], self.max_fp2_tokens if max_len is None else max_len
         num_splits, split_tokens = self.plan(B, L) if num_splits is None else self.split(L, num_splits)
         if num_splits > self.max_splits:

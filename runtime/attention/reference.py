@@ -45,21 +45,45 @@ def dequantize_pages(
     codes: torch.Tensor, scales_raw: torch.Tensor, levels: torch.Tensor, scale_dtype: str
 ) -> torch.Tensor:
     """codes [..., D/16] int32, scales [..., NB] uint8 -> values [..., D] fp32 (levels [4])."""
-    from zerodram.runtime.kv.scales import decode_scale
-
-    c = unpack_codes(codes).long()  # [..., D]
-    s = decode_scale(scales_raw, scale_dtype)  # [..., NB]
-    y = levels.to(codes.device)[c]
+    y, s = _levels_and_scales(codes, scales_raw, levels, scale_dtype)
     return (y.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)
 
 
+def _levels_and_scales(
+    codes: torch.Tensor, scales_raw: torch.Tensor, levels: torch.Tensor, scale_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [..., D/16], scales [..., NB] -> (levels of the codes [..., D], scales [..., NB]) fp32."""
+    from zerodram.runtime.kv.scales import decode_scale
+
+    return levels.to(codes.device)[unpack_codes(codes).long()], decode_scale(scales_raw, scale_dtype)
+
+
+# How the weights meet the values in the FP2 tokens' output product. "exact": fp32, the definition
+# (today's kernels round P times the value scale to fp16 and stay within 3e-3 of it). "e4m3": what
+# an FP8 value product would compute (docs/fp2-kernel.md, "An FP8 value product"): each FP2 token's
+# weight p = 2^(logit - row max) <= 1 times its value scale, times 2^c, rounded to e4m3, with c per
+# (KV head, value block) putting the row's largest scale at 2^8 (so nothing saturates at 448 and
+# products down to 2^-14 of the largest keep e4m3's normal 3 bits); the sum of weights stays exact.
+# The bf16 tokens keep exact weights (their own CTA). CPU reference only: no kernel computes it yet.
+VALUE_PRODUCTS = ("exact", "e4m3")
+
+
 def reference_decode(
-    q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch, softmax_scale: float, scale_dtype: str
+    q: torch.Tensor,
+    layer: Fp2Layer,
+    batch: DecodeBatch,
+    softmax_scale: float,
+    scale_dtype: str,
+    value_product: str = "exact",
 ) -> torch.Tensor:
     """Dequantize every sequence's FP2 pages, add its bf16 tokens, fp32 attention. -> [B, Hq, D] fp32.
 
-    q [B, Hq, D] in the stored key space. The plain-torch definition the kernels are tested against.
+    q [B, Hq, D] in the stored key space. The plain-torch definition the kernels are tested against;
+    value_product (VALUE_PRODUCTS, above) "e4m3" rounds the FP2 tokens' weighted values as an FP8
+    value product would.
     """
+    if value_product not in VALUE_PRODUCTS:
+        raise ValueError(f"value_product must be one of {VALUE_PRODUCTS}, got {value_product!r}")
     B, Hq, D = q.shape
     Hkv, P = layer.k_codes.shape[1], layer.k_codes.shape[2]
     G = Hq // Hkv
@@ -75,16 +99,33 @@ def reference_decode(
             ksc = layer.k_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             vsc = layer.v_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             ks.append(dequantize_pages(kc, ksc, layer.levels[:4], scale_dtype))
-            vs.append(dequantize_pages(vc, vsc, layer.levels[4:], scale_dtype))
+            v_lev, v_sc = _levels_and_scales(vc, vsc, layer.levels[4:], scale_dtype)  # [Hkv, n, D], [Hkv, n, NB]
+            vs.append((v_lev.unflatten(-1, (v_sc.shape[-1], -1)) * v_sc[..., None]).flatten(-2))
         h, slot = int(batch.hp_len[b]), int(batch.hp_slot[b])
         ks.append(batch.hp_k[slot, :, :h].float())
         vs.append(batch.hp_v[slot, :, :h].float())
         k, v = torch.cat(ks, 1), torch.cat(vs, 1)  # [Hkv, L, D]
         qb = q[b].float().view(Hkv, G, D)
         logits = (qb @ k.transpose(1, 2)) * softmax_scale  # [Hkv, G, L]
-        p = torch.softmax(logits, -1) if logits.shape[-1] else logits
-        out[b] = (p @ v).reshape(Hq, D) if logits.shape[-1] else 0.0
+        if not logits.shape[-1]:
+            out[b] = 0.0
+        elif value_product == "exact" or not n:
+            out[b] = (torch.softmax(logits, -1) @ v).reshape(Hq, D)
+        else:
+            w = torch.exp(logits - logits.amax(-1, keepdim=True))  # [Hkv, G, L], <= 1
+            o = _e4m3_value_product(w[..., :n], v_lev, v_sc) + w[..., n:] @ v[:, n:]  # [Hkv, G, D]
+            out[b] = (o / w.sum(-1, keepdim=True)).reshape(Hq, D)
     return out
+
+
+def _e4m3_value_product(w: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """sum_t e4m3(w_t s_t 2^c) L_t 2^-c: w [Hkv, G, n] weights <= 1, levels [Hkv, n, D], scales
+    [Hkv, n, NB] -> [Hkv, G, D] (VALUE_PRODUCTS, "e4m3")."""
+    top = scales.amax(1, keepdim=True).clamp(min=2.0**-126)  # [Hkv, 1, NB]
+    shift = torch.exp2(8 - torch.ceil(torch.log2(top)))  # the largest scale lands in [2^7, 2^8]
+    x = w[..., None] * (scales * shift)[:, None]  # [Hkv, G, n, NB], <= 2^8
+    x = x.clamp(max=448.0).to(torch.float8_e4m3fn).float() / shift[:, None]
+    return torch.einsum("hgtb,htbc->hgbc", x, levels.unflatten(-1, (scales.shape[-1], -1))).flatten(-2)
 
 
 def int8_key_levels(levels: torch.Tensor) -> bool:

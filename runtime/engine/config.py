@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zerodram.runtime.attention.reference import VALUE_PRODUCTS
 from zerodram.runtime.engine.calibration import CALIB_TOKENS
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
@@ -20,7 +21,9 @@ class EngineConfig:
     (False: read the pages back and run SDPA, the reference path).
     kv_calibration: "auto" (compute the FP2 constants at construction when the format needs them),
     "none", or a file saved earlier; kv_calibration_tokens: prefill length of "auto";
-    kv_calibration_save: write the constants there (runtime/engine/calibration.py)."""
+    kv_calibration_save: write the constants there (runtime/engine/calibration.py).
+    decode_value_product: how the fused FP2 decode's weights meet the values: "exact", or "e4m3",
+    a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py)."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -32,6 +35,7 @@ class EngineConfig:
     kv_calibration: str = "auto"
     kv_calibration_tokens: int = CALIB_TOKENS
     kv_calibration_save: str | None = None
+    decode_value_product: str = "exact"
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:
@@ -42,6 +46,10 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
                 f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
+            )
+        if self.decode_value_product not in VALUE_PRODUCTS:
+            raise ConfigError(
+                f"decode_value_product must be one of {VALUE_PRODUCTS}, got {self.decode_value_product!r}"
             )
 
 

@@ -88,7 +88,11 @@ class Engine:
         decode = None
         if self.config.fused_decode:
             decode = make_decode_attention(
-                self.kv, num_q_heads=mc.num_heads, scale=scale, max_batch=self.config.scheduler.max_num_seqs
+                self.kv,
+                num_q_heads=mc.num_heads,
+                scale=scale,
+                max_batch=self.config.scheduler.max_num_seqs,
+                value_product=self.config.decode_value_product,
             )
         self.attn = PagedAttention(self.kv, scale, decode)
         self.scheduler = Scheduler(self.kv, self.config.scheduler, self.device)

@@ -91,12 +91,15 @@ class Fp2FusedDecode:
         num_q_heads: the model's query heads.
         scale: softmax scale (the one PagedAttention's SDPA uses).
         max_batch: most decode sequences in one step (the scheduler's max_num_seqs).
+        value_product: `Fp2DecodeAttention`'s ("exact"; "e4m3" is a CPU emulation for kernel design).
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
     """
 
-    def __init__(self, kv, *, num_q_heads: int, scale: float, max_batch: int) -> None:
+    def __init__(
+        self, kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact"
+    ) -> None:
         c0 = kv.caches[0]
         if getattr(c0, "format", None) != "fp2":
             raise ConfigError(f"the fused decode path reads FP2 pages, the partition is {kv.kv_format!r}")
@@ -135,6 +138,7 @@ class Fp2FusedDecode:
             softmax_scale=scale,
             key_s8=False if inexact else None,
             v_layout=c0.v.layout,
+            value_product=value_product,
         )
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,
@@ -292,14 +296,25 @@ class Fp2FusedDecode:
         return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
 
-def make_decode_attention(kv, *, num_q_heads: int, scale: float, max_batch: int) -> Fp2FusedDecode | None:
+def make_decode_attention(
+    kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact"
+) -> Fp2FusedDecode | None:
     """The partition's fused decode path, or None for PagedAttention's gather + SDPA (logged once
-    when the partition is FP2 but its format is one the kernels cannot read)."""
+    when the partition is FP2 but its format is one the kernels cannot read).
+
+    Raises:
+        ConfigError: a value_product other than "exact" where no fused path can compute it.
+    """
     caches = getattr(kv, "caches", None)
-    if not caches or getattr(caches[0], "format", None) != "fp2":
-        return None
     try:
-        return Fp2FusedDecode(kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch)
+        if not caches or getattr(caches[0], "format", None) != "fp2":
+            raise ConfigError(f"the partition's KV format is {getattr(kv, 'kv_format', None)!r}, not FP2")
+        return Fp2FusedDecode(
+            kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch, value_product=value_product
+        )
     except ConfigError as err:
-        log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
+        if value_product != "exact":
+            raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err
+        if caches and getattr(caches[0], "format", None) == "fp2":
+            log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
         return None

@@ -6,8 +6,9 @@ What a KV format costs the served model, measured without the quality harness (r
 which runs transformers with fake quantization): the text is prefilled in chunks of C tokens on the
 engine's partition, with logits for every row. A chunk attends to its own tokens in full precision
 and to the earlier ones as the partition stores them (FP2 pages, bf16 sinks and window), so
-`chunk=1` is exactly what decode sees and a larger chunk sees up to C - 1 more full-precision keys
-(a slightly optimistic, much cheaper reading). One process only (an engine of one rank).
+`chunk=1` attends to what decode sees and a larger chunk sees up to C - 1 more full-precision keys
+(a slightly optimistic, much cheaper reading); `decode=True` runs the tokens as decode rows, the
+serving path itself. One process only (an engine of one rank).
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ def pydoc_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def score_tokens(engine, ids: list[int], *, chunk: int = 16, keep_logits: bool = False) -> TokenScores:
+def score_tokens(
+    engine, ids: list[int], *, chunk: int = 16, keep_logits: bool = False, decode: bool = False
+) -> TokenScores:
     """Teacher-forced log-probabilities of `ids` on `engine` (see the module docstring).
+
+    decode: the first token is prefilled, every later one runs as a decode row, through the engine's
+    decode write and decode attention (for FP2, the fused decode path) exactly as serving runs
+    them; `chunk` is then unused. Slow: one step per token.
 
     The sequence takes len(ids) tokens of the engine's partition and is freed afterwards; call it on
     an idle engine of one rank.
@@ -66,20 +73,22 @@ def score_tokens(engine, ids: list[int], *, chunk: int = 16, keep_logits: bool =
     dev = engine.device
     seq_id = engine.new_request_id()
     engine.kv.reserve(seq_id, len(ids))
+    step = 1 if decode else chunk
     logp, rows = [], []
     try:
-        for start in range(0, len(ids), chunk):
-            part = ids[start : start + chunk]
+        for start in range(0, len(ids), step):
+            part = ids[start : start + step]
             n = len(part)
+            as_decode = decode and start > 0
             batch = ForwardBatch(
                 token_ids=torch.tensor(part, dtype=torch.int64, device=dev),
                 positions=torch.arange(start, start + n, device=dev),
-                decode_seq_ids=(),
-                decode_positions=(),
-                prefill=(PrefillSegment(seq_id, start, n),),
+                decode_seq_ids=(seq_id,) if as_decode else (),
+                decode_positions=(start,) if as_decode else (),
+                prefill=() if as_decode else (PrefillSegment(seq_id, start, n),),
                 logits_rows=torch.arange(n, device=dev),
             )
-            logits = engine.model.forward(batch, engine.attn).float()  # [C, V]
+            logits = engine.model.forward(batch, engine.attn).float()  # [n, V]
             nxt = torch.tensor(ids[start + 1 : start + n + 1], device=dev)  # the last chunk has one fewer
             lp = torch.log_softmax(logits[: nxt.numel()], -1)
             logp.append(lp.gather(1, nxt[:, None])[:, 0].cpu())
