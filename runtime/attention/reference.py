@@ -49,6 +49,12 @@ def dequantize_pages(
     return (y.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)
 
 
+def token_layout(words: torch.Tensor, layout: str) -> torch.Tensor:
+    """Value pages [..., P, D/16] in `layout` (an `Fp2Layer.v_layout`) -> the same pages in the
+    token layout."""
+    return quad_to_token(words) if layout == "quad" else words
+
+
 def _levels_and_scales(
     codes: torch.Tensor, scales_raw: torch.Tensor, levels: torch.Tensor, scale_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +100,7 @@ def reference_decode(
         ks, vs = [], []
         if n:
             kc = layer.k_codes[pages].transpose(0, 1).flatten(1, 2)[:, :n]  # [Hkv, n, D/16]
-            vp = layer.v_codes[pages]
-            vc = (quad_to_token(vp) if layer.v_layout == "quad" else vp).transpose(0, 1).flatten(1, 2)[:, :n]
+            vc = token_layout(layer.v_codes[pages], layer.v_layout).transpose(0, 1).flatten(1, 2)[:, :n]
             ksc = layer.k_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             vsc = layer.v_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
             ks.append(dequantize_pages(kc, ksc, layer.levels[:4], scale_dtype))
