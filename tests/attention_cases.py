@@ -73,14 +73,18 @@ def kernel_side(att, cache, sids, q, G):
     return finish_output(o, vp.rotation, vp.anchor, G)
 
 
-def e4m3_product_bound(q: torch.Tensor, layer, batch, softmax_scale: float, scale_dtype: str = "e4m3") -> torch.Tensor:
+def e4m3_product_bound(
+    q: torch.Tensor, layer, batch, softmax_scale: float, scale_dtype: str = "e4m3", headroom: int = 0
+) -> torch.Tensor:
     """[B, Hq, D] fp32: how far an FP8 value product (reference.py, VALUE_PRODUCTS "e4m3") may move
     each output element from the exact attention. Each FP2 token's weight times value scale is
     rounded to e4m3 after a shift 2^c that puts the row's largest scale at 2^7..2^8 (a kernel's
     running shift is at least that, and its running max at most the row's, which only shrinks the
     error): within 2^-4 of itself in e4m3's normal range, within 2^-10 (half the subnormal step)
     below. So |o - o_exact| <= (2^-4 sum_t w_t |v_t| + 2^-10 2^-c sum_t |L_t|) / sum_t w_t with
-    w = exp(logit - row max) over all tokens (bf16 ones exact) and v = L s the dequantized FP2 value."""
+    w = exp(logit - row max) over all tokens (bf16 ones exact) and v = L s the dequantized FP2 value.
+    headroom: binades a kernel keeps free above the largest product (its shift 2^c that much lower),
+    which scales the subnormal term by 2^headroom."""
     from zerodram.runtime.attention.reference import _levels_and_scales, dequantize_pages, token_layout
 
     B, Hq, D = q.shape
@@ -103,7 +107,7 @@ def e4m3_product_bound(q: torch.Tensor, layer, batch, softmax_scale: float, scal
         v = (lev.unflatten(-1, (sc.shape[-1], -1)) * sc[..., None]).flatten(-2)  # [Hkv, n, D]
         logits = (q[b].float().cpu().view(Hkv, G, D) @ k.transpose(1, 2)) * softmax_scale  # [Hkv, G, L]
         w = torch.exp(logits - logits.amax(-1, keepdim=True))
-        inv_c = torch.exp2(torch.ceil(torch.log2(sc.amax(1))) - 8)  # [Hkv, NB]: 2^-c per value block
+        inv_c = torch.exp2(torch.ceil(torch.log2(sc.amax(1))) - 8 + headroom)  # [Hkv, NB]: 2^-c per value block
         under = (lev.abs().unflatten(-1, (sc.shape[-1], -1)) * inv_c[:, None, :, None]).flatten(-2).sum(1)  # [Hkv, D]
         bound = (2.0**-4 * w[..., :n] @ v.abs() + 2.0**-10 * under[:, None]) / w.sum(-1, keepdim=True)
         out[b] = bound.reshape(Hq, D)
