@@ -57,6 +57,17 @@ def list_sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.cu"))
 
 
+ARCH_LINE = "// arch: "  # a source's line naming the arch it needs, e.g. "// arch: sm_90a" (wgmma)
+
+
+def source_arch(path: Path) -> str:
+    """The arch a kernel source declares it needs (`ARCH_LINE`), else DEFAULT_ARCH."""
+    for line in path.read_text().splitlines():
+        if line.startswith(ARCH_LINE):
+            return line[len(ARCH_LINE) :].strip()
+    return DEFAULT_ARCH
+
+
 def _inline_includes(path: Path, seen: set[Path] | None = None) -> str:
     """The source with local includes expanded, so the hash covers them (and NVRTC needs no path)."""
     seen = set() if seen is None else seen

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from zerodram.kernels import jit
-from zerodram.kernels.jit import BuildOptions, KernelBuildError, compile_cubin, list_sources
+from zerodram.kernels.jit import BuildOptions, KernelBuildError, compile_cubin, list_sources, source_arch
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,8 @@ def _is_elf(blob: bytes) -> bool:
 
 @pytest.mark.parametrize("source", list_sources(), ids=lambda p: p.stem)
 def test_every_kernel_compiles_for_sm90(source: Path) -> None:
-    assert _is_elf(compile_cubin(source.stem, BuildOptions(arch="sm_90")))
+    """Each for sm_90, or the arch its source declares (`source_arch`: wgmma needs sm_90a)."""
+    assert _is_elf(compile_cubin(source.stem, BuildOptions(arch=source_arch(source))))
 
 
 def test_cache_is_keyed_by_options(tmp_path: Path) -> None:

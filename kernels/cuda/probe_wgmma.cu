@@ -1,6 +1,7 @@
 // A probe, not a runtime kernel: the warpgroup MMA forms a warpgroup decode kernel would build on
 // (docs/fp2-kernel.md, "An FP8 value product"), each checked against torch by
-// tests/test_wgmma_probe_gpu.py before any kernel relies on them. Needs sm_90a.
+// tests/test_wgmma_probe_gpu.py before any kernel relies on them.
+// arch: sm_90a
 //
 // One warpgroup (128 threads) computes D [64, 8] = A [64, K] . B [8, K]^T, A from registers (the
 // "RS" form: each warp holds 16 rows), B from shared memory through a matrix descriptor, K-major,
