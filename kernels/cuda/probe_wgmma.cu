@@ -62,62 +62,62 @@ __device__ void store_d(T* __restrict__ d, const T (&v)[4]) {
   for (int j = 0; j < 4; ++j) d[(16 * w + g + 8 * (j >> 1)) * 8 + 2 * t + (j & 1)] = v[j];
 }
 
-__device__ __forceinline__ void wgmma_begin() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_end() {
+// The three forms, one MMA each: D = A B (accumulators from zero, scale-d 1 on zeros).
+struct F16 {
+  using T = float;
+  static __device__ void mma(float (&d)[4], const uint32_t (&r)[4], uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
+  }
+};
+struct E5m2E4m3 {
+  using T = float;
+  static __device__ void mma(float (&d)[4], const uint32_t (&r)[4], uint64_t desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e5m2.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
+  }
+};
+struct S8 {
+  using T = int32_t;
+  static __device__ void mma(int32_t (&d)[4], const uint32_t (&r)[4], uint64_t desc) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k32.s32.s8.s8 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1;"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
+  }
+};
+
+template <class Form>
+__device__ void probe(const uint8_t* __restrict__ a, const uint8_t* __restrict__ b, typename Form::T* __restrict__ d) {
+  __shared__ __align__(128) uint8_t sb[256];
+  stage_b(b, sb);
+  uint32_t r[4];
+  load_a(a, r);
+  typename Form::T acc[4] = {0, 0, 0, 0};
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  Form::mma(acc, r, smem_desc(smem_u32(sb), 128, 256));
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  store_d(d, acc);
 }
 
 }  // namespace
 
 // a [64, 16] f16, b [8, 16] f16 -> d [64, 8] fp32
 extern "C" __global__ void __launch_bounds__(128) probe_wgmma_f16(const uint8_t* a, const uint8_t* b, float* d) {
-  __shared__ __align__(128) uint8_t sb[256];
-  stage_b(b, sb);
-  uint32_t r[4];
-  load_a(a, r);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const uint64_t desc = smem_desc(smem_u32(sb), 128, 256);
-  wgmma_begin();
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
-  wgmma_end();
-  store_d(d, acc);
+  probe<F16>(a, b, d);
 }
 
 // a [64, 32] e5m2, b [8, 32] e4m3 -> d [64, 8] fp32 (the FP8 value product: e5m2 levels times
 // e4m3 weights)
 extern "C" __global__ void __launch_bounds__(128) probe_wgmma_e5m2_e4m3(const uint8_t* a, const uint8_t* b, float* d) {
-  __shared__ __align__(128) uint8_t sb[256];
-  stage_b(b, sb);
-  uint32_t r[4];
-  load_a(a, r);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const uint64_t desc = smem_desc(smem_u32(sb), 128, 256);
-  wgmma_begin();
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e5m2.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1;"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
-  wgmma_end();
-  store_d(d, acc);
+  probe<E5m2E4m3>(a, b, d);
 }
 
 // a [64, 32] s8, b [8, 32] s8 -> d [64, 8] s32 (the int8 key scores)
 extern "C" __global__ void __launch_bounds__(128) probe_wgmma_s8(const uint8_t* a, const uint8_t* b, int32_t* d) {
-  __shared__ __align__(128) uint8_t sb[256];
-  stage_b(b, sb);
-  uint32_t r[4];
-  load_a(a, r);
-  int32_t acc[4] = {0, 0, 0, 0};
-  const uint64_t desc = smem_desc(smem_u32(sb), 128, 256);
-  wgmma_begin();
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n8k32.s32.s8.s8 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1;"
-      : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
-      : "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]), "l"(desc));
-  wgmma_end();
-  store_d(d, acc);
+  probe<S8>(a, b, d);
 }
