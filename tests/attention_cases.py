@@ -85,30 +85,20 @@ def e4m3_product_bound(
     w = exp(logit - row max) over all tokens (bf16 ones exact) and v = L s the dequantized FP2 value.
     headroom: binades a kernel keeps free above the largest product (its shift 2^c that much lower),
     which scales the subnormal term by 2^headroom."""
-    from zerodram.runtime.attention.reference import _levels_and_scales, dequantize_pages, token_layout
+    from zerodram.runtime.attention.reference import sequence_kv
 
     B, Hq, D = q.shape
-    Hkv, P = layer.k_codes.shape[1], layer.k_codes.shape[2]
-    G = Hq // Hkv
+    Hkv = layer.k_codes.shape[1]
     out = torch.zeros(B, Hq, D)
     for b in range(B):
-        n, h, slot = int(batch.fp2_len[b]), int(batch.hp_len[b]), int(batch.hp_slot[b])
+        sk = sequence_kv(layer, batch, b, scale_dtype)
+        n, lev, sc = sk.num_fp2, sk.v_levels.cpu(), sk.v_scales.cpu()  # [Hkv, n, D], [Hkv, n, NB]
         if not n:
             continue
-        pages = batch.block_table[b, : (n + P - 1) // P].long()
-
-        def rows(x: torch.Tensor, pages: torch.Tensor = pages, n: int = n) -> torch.Tensor:
-            return x[pages].transpose(0, 1).flatten(1, 2)[:, :n].cpu()  # [Hkv, n, ...]
-
-        vc = rows(token_layout(layer.v_codes, layer.v_layout))
-        k = dequantize_pages(rows(layer.k_codes), rows(layer.k_scales), layer.levels[:4].cpu(), scale_dtype)
-        k = torch.cat([k, batch.hp_k[slot, :, :h].float().cpu()], 1)  # [Hkv, L, D]
-        lev, sc = _levels_and_scales(vc, rows(layer.v_scales), layer.levels[4:].cpu(), scale_dtype)
-        v = (lev.unflatten(-1, (sc.shape[-1], -1)) * sc[..., None]).flatten(-2)  # [Hkv, n, D]
-        logits = (q[b].float().cpu().view(Hkv, G, D) @ k.transpose(1, 2)) * softmax_scale  # [Hkv, G, L]
-        w = torch.exp(logits - logits.amax(-1, keepdim=True))
+        logits = (q[b].float().cpu().view(Hkv, Hq // Hkv, D) @ sk.k.cpu().transpose(1, 2)) * softmax_scale
+        w = torch.exp(logits - logits.amax(-1, keepdim=True))  # [Hkv, G, L]
         inv_c = torch.exp2(torch.ceil(torch.log2(sc.amax(1))) - 8 + headroom)  # [Hkv, NB]: 2^-c per value block
         under = (lev.abs().unflatten(-1, (sc.shape[-1], -1)) * inv_c[:, None, :, None]).flatten(-2).sum(1)  # [Hkv, D]
-        bound = (2.0**-4 * w[..., :n] @ v.abs() + 2.0**-10 * under[:, None]) / w.sum(-1, keepdim=True)
+        bound = (2.0**-4 * w[..., :n] @ sk.v[:, :n].cpu().abs() + 2.0**-10 * under[:, None]) / w.sum(-1, keepdim=True)
         out[b] = bound.reshape(Hq, D)
     return out

@@ -7,6 +7,8 @@ size, HP bf16 tokens per sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer
@@ -91,43 +93,67 @@ def reference_decode(
     if value_product not in VALUE_PRODUCTS:
         raise ValueError(f"value_product must be one of {VALUE_PRODUCTS}, got {value_product!r}")
     B, Hq, D = q.shape
-    Hkv, P = layer.k_codes.shape[1], layer.k_codes.shape[2]
+    Hkv = layer.k_codes.shape[1]
     G = Hq // Hkv
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
     for b in range(B):
-        n = int(batch.fp2_len[b])
-        pages = batch.block_table[b, : (n + P - 1) // P].long()
-        ks, vs = [], []
-        if n:
-            kc = layer.k_codes[pages].transpose(0, 1).flatten(1, 2)[:, :n]  # [Hkv, n, D/16]
-            vc = token_layout(layer.v_codes[pages], layer.v_layout).transpose(0, 1).flatten(1, 2)[:, :n]
-            ksc = layer.k_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
-            vsc = layer.v_scales[pages].transpose(0, 1).flatten(1, 2)[:, :n]
-            ks.append(dequantize_pages(kc, ksc, layer.levels[:4], scale_dtype))
-            v_lev, v_sc = _levels_and_scales(vc, vsc, layer.levels[4:], scale_dtype)  # [Hkv, n, D], [Hkv, n, NB]
-            vs.append((v_lev.unflatten(-1, (v_sc.shape[-1], -1)) * v_sc[..., None]).flatten(-2))
-        h, slot = int(batch.hp_len[b]), int(batch.hp_slot[b])
-        ks.append(batch.hp_k[slot, :, :h].float())
-        vs.append(batch.hp_v[slot, :, :h].float())
-        k, v = torch.cat(ks, 1), torch.cat(vs, 1)  # [Hkv, L, D]
-        qb = q[b].float().view(Hkv, G, D)
-        logits = (qb @ k.transpose(1, 2)) * softmax_scale  # [Hkv, G, L]
+        sk = sequence_kv(layer, batch, b, scale_dtype)
+        logits = (q[b].float().view(Hkv, G, D) @ sk.k.transpose(1, 2)) * softmax_scale  # [Hkv, G, L]
+        n = sk.num_fp2
         if not logits.shape[-1]:
             out[b] = 0.0
         elif value_product == "exact" or not n:
-            out[b] = (torch.softmax(logits, -1) @ v).reshape(Hq, D)
+            out[b] = (torch.softmax(logits, -1) @ sk.v).reshape(Hq, D)
         else:
             w = torch.exp(logits - logits.amax(-1, keepdim=True))  # [Hkv, G, L], <= 1
-            o = _e4m3_value_product(w[..., :n], v_lev, v_sc) + w[..., n:] @ v[:, n:]  # [Hkv, G, D]
+            o = _e4m3_value_product(w[..., :n], sk.v_levels, sk.v_scales) + w[..., n:] @ sk.v[:, n:]  # [Hkv, G, D]
             out[b] = (o / w.sum(-1, keepdim=True)).reshape(Hq, D)
     return out
+
+
+@dataclass(frozen=True)
+class SequenceKV:
+    """One sequence's keys and values as the reference reads them: k, v [Hkv, L, D] fp32 (its
+    num_fp2 FP2 tokens dequantized, then its bf16 tokens), and the FP2 values as their levels
+    [Hkv, num_fp2, D] and scales [Hkv, num_fp2, NB] (v = levels times scales, per block)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    v_levels: torch.Tensor
+    v_scales: torch.Tensor
+    num_fp2: int
+
+
+def sequence_kv(layer: Fp2Layer, batch: DecodeBatch, b: int, scale_dtype: str) -> SequenceKV:
+    """Sequence b's tokens gathered through its block table (the reference's view; any device)."""
+    P = layer.k_codes.shape[2]
+    n = int(batch.fp2_len[b])
+    pages = batch.block_table[b, : (n + P - 1) // P].long()
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # the pages [pages, Hkv, P, ...] -> [Hkv, n, ...]
+        return x[pages].transpose(0, 1).flatten(1, 2)[:, :n]
+
+    if n:
+        k = dequantize_pages(rows(layer.k_codes), rows(layer.k_scales), layer.levels[:4], scale_dtype)
+        vc = token_layout(layer.v_codes[pages], layer.v_layout).transpose(0, 1).flatten(1, 2)[:, :n]
+        v_lev, v_sc = _levels_and_scales(vc, rows(layer.v_scales), layer.levels[4:], scale_dtype)
+    else:  # no FP2 token (the code unpacking does not take empty tensors)
+        Hkv, D = layer.k_codes.shape[1], 16 * layer.k_codes.shape[3]
+        k = v_lev = torch.zeros(Hkv, 0, D, device=layer.k_codes.device)
+        v_sc = torch.zeros(Hkv, 0, layer.v_scales.shape[-1], device=layer.k_codes.device)
+    v = (v_lev.unflatten(-1, (v_sc.shape[-1], -1)) * v_sc[..., None]).flatten(-2)
+    h, slot = int(batch.hp_len[b]), int(batch.hp_slot[b])
+    return SequenceKV(
+        torch.cat([k, batch.hp_k[slot, :, :h].float()], 1), torch.cat([v, batch.hp_v[slot, :, :h].float()], 1),
+        v_lev, v_sc, n,
+    )  # fmt: skip
 
 
 def _e4m3_value_product(w: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """sum_t e4m3(w_t s_t 2^c) L_t 2^-c: w [Hkv, G, n] weights <= 1, levels [Hkv, n, D], scales
     [Hkv, n, NB] -> [Hkv, G, D] (VALUE_PRODUCTS, "e4m3")."""
     top = scales.amax(1, keepdim=True).clamp(min=2.0**-126)  # [Hkv, 1, NB]
-    shift = torch.exp2(8 - torch.ceil(torch.log2(top)))  # the largest scale lands in [2^7, 2^8]
+    shift = torch.exp2(8 - torch.ceil(torch.log2(top)))  # the largest scale lands in (2^7, 2^8]
     x = w[..., None] * (scales * shift)[:, None]  # [Hkv, G, n, NB], <= 2^8
     x = x.clamp(max=448.0).to(torch.float8_e4m3fn).float() / shift[:, None]
     return torch.einsum("hgtb,htbc->hgbc", x, levels.unflatten(-1, (scales.shape[-1], -1))).flatten(-2)

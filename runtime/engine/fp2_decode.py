@@ -306,15 +306,19 @@ def make_decode_attention(
         ConfigError: a value_product other than "exact" where no fused path can compute it.
     """
     caches = getattr(kv, "caches", None)
+    if not caches or getattr(caches[0], "format", None) != "fp2":
+        if value_product != "exact":
+            raise ConfigError(
+                f"value_product {value_product!r} needs the fused FP2 decode path; the partition's KV format "
+                f"is {getattr(kv, 'kv_format', None)!r}"
+            )
+        return None
     try:
-        if not caches or getattr(caches[0], "format", None) != "fp2":
-            raise ConfigError(f"the partition's KV format is {getattr(kv, 'kv_format', None)!r}, not FP2")
         return Fp2FusedDecode(
             kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch, value_product=value_product
         )
     except ConfigError as err:
         if value_product != "exact":
             raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err
-        if caches and getattr(caches[0], "format", None) == "fp2":
-            log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
+        log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
         return None
