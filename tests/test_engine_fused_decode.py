@@ -187,11 +187,12 @@ def test_engine_fused_matches_gather_on_smollm2(capsys: pytest.CaptureFixture) -
 
 
 def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
-    """score_tokens(decode=True) scores through decode rows: on fp32 pages the same log-probs as
-    prefilled chunks of one token (same attention, two code paths; 1e-4); on FP2 pages through the
-    fused path, whose e4m3 value-product emulation moves them (not identical; on this random model
-    by ~0.05 nats on average, 0.1 allowed, what it costs a trained model is benchmarks/engine_kv_ppl.py's
-    question). A value product that no path can honour is refused at construction."""
+    """score_tokens(decode_from=1) scores through decode rows: on fp32 pages the same log-probs as
+    prefilled chunks of one token (same attention, two code paths; 1e-4), and chunks followed by
+    decode rows the same as chunks alone; on FP2 pages through the fused path, whose e4m3
+    value-product emulation moves them (not identical; on this random model by ~0.05 nats on
+    average, 0.1 allowed, what it costs a trained model is benchmarks/engine_kv_ppl.py's question).
+    A value product that no path can honour is refused at construction."""
     from zerodram.runtime.engine.score import score_tokens
     from zerodram.runtime.errors import ConfigError
 
@@ -203,12 +204,18 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
 
     fp32 = engine("fp32")
     torch.testing.assert_close(
-        score_tokens(fp32, ids, decode=True).logprobs, score_tokens(fp32, ids, chunk=1).logprobs, rtol=1e-4, atol=1e-4
+        score_tokens(fp32, ids, decode_from=1).logprobs, score_tokens(fp32, ids, chunk=1).logprobs, rtol=1e-4, atol=1e-4
     )
+    # chunks, then decode rows from token 61 (how the needle benchmark scores an answer)
+    mixed, chunks = score_tokens(fp32, ids, chunk=16, decode_from=61), score_tokens(fp32, ids, chunk=16)
+    torch.testing.assert_close(mixed.logprobs, chunks.logprobs, rtol=1e-4, atol=1e-4)
+    assert mixed.argmax.shape == (len(ids) - 1,) and float((mixed.argmax == chunks.argmax).float().mean()) > 0.95
+    with pytest.raises(ConfigError, match="decode_from"):
+        score_tokens(fp32, ids, decode_from=0)
     spec = "fp2:sinks=2,tail=1,window=8"
     exact, fp8 = engine(spec), engine(spec, "e4m3")
     assert isinstance(fp8.attn.decode, Fp2FusedDecode) and fp8.attn.decode.attn.value_product == "e4m3"
-    a, b = score_tokens(exact, ids, decode=True).logprobs, score_tokens(fp8, ids, decode=True).logprobs
+    a, b = score_tokens(exact, ids, decode_from=1).logprobs, score_tokens(fp8, ids, decode_from=1).logprobs
     assert not torch.equal(a, b) and float((a - b).abs().mean()) < 0.1, float((a - b).abs().mean())
     with pytest.raises(ConfigError, match="decode_value_product"):
         EngineConfig(decode_value_product="e5m2")

@@ -7,6 +7,7 @@ argmax at every answer position is the answer token (what greedy decoding would 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +29,12 @@ class NeedleTrial:
     key: str
 
 
-def make_trials(tokenizer, ctx: int, num_trials: int, seed: int = 0) -> list[NeedleTrial]:
-    """`num_trials` prompts of about `ctx` tokens, depths spread over [0.1, 0.9]."""
+def make_trials(
+    enc: Callable[[str], list[int]], ctx: int, num_trials: int, seed: int = 0
+) -> list[NeedleTrial]:
+    """`num_trials` prompts of about `ctx` tokens, depths spread over [0.1, 0.9]; `enc` tokenizes
+    without special tokens (the harness's Hugging Face tokenizer and the engine's alike)."""
     rng = random.Random(seed)
-    enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
     filler = enc(_FILLER)
     out = []
     for i in range(num_trials):

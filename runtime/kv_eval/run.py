@@ -128,7 +128,8 @@ class Evaluator:
         n_ctx = lm.max_ctx if needle_ctx is None else needle_ctx
         rate = rate_ref = None
         if n_ctx > 0 and needle_trials > 0:
-            trials = make_trials(lm.tokenizer, min(n_ctx, lm.max_ctx), needle_trials)
+            encode = lambda s: lm.tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+            trials = make_trials(encode, min(n_ctx, lm.max_ctx), needle_trials)
             rate_ref = self._reference(
                 ("needle", n_ctx, needle_trials), lambda: pass_rate(CodecSession(lm.model, None), trials)
             )
