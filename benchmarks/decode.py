@@ -50,18 +50,21 @@ import argparse
 import dataclasses
 import itertools
 import json
-import math
 import statistics
 import sys
 import time
 from typing import Any
 
+from zerodram.launch.bench_cmd import load_sibling
+
+kv_paths = load_sibling(__file__, "decode_kv")  # the two paths' KV: Fp2PathKV, Bf16PathKV
+report = load_sibling(__file__, "decode_report")  # the tables
+
 PATHS = ("fp2-fused", "bf16-host")
-STAGES = ("attention", "dispatch", "experts", "combine")
+STAGES = report.STAGES
 GPU = {"model": "seed-700b", "batches": "1,8,64", "contexts": "8192,32768,131072"}
 # CPU: a small MoE layer the FP2 kernels' shape rules accept (head dim 64, <= 8 q heads per kv head)
 CPU = {"model": "small", "batches": "1,4", "contexts": "256,1024"}
-PAGE, NUM_SINKS, TAIL = 64, 4, 32  # FP2 layout: 4 sinks + up to 32 tail tokens in bf16 (HP = 36)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(rows[-1]), flush=True)
                 bar.advance(note=f"{path} B={B} L={L}")
         if not args.json:
-            _print_tables(rows, bench)
+            report.print_tables(rows, bench)
             for row in rows:
                 print(json.dumps(row))
         bench.close()
@@ -203,7 +206,7 @@ class LayerBench:
         gen = torch.Generator(device=self.dev).manual_seed(1000 * B + L)
         cfg = self.cfg
         x = torch.randn(B, cfg.hidden_size, device=self.dev, generator=gen).to(torch.bfloat16)  # [B, D]
-        kv = self._fp2_kv(B, L, gen) if path == "fp2-fused" else self._bf16_kv(B, L, gen)
+        kv = (kv_paths.Fp2PathKV if path == "fp2-fused" else kv_paths.Bf16PathKV)(cfg, self.dev, B, L, gen)
         comm = self.comms[path]
         positions = torch.full((B,), L, device=self.dev, dtype=torch.int64)
         samples: dict[str, list[float]] = {s: [] for s in (*STAGES, "total")}
@@ -212,7 +215,7 @@ class LayerBench:
             if self.flush is not None:
                 self.flush.sum()  # read-only: a write leaves dirty L2 lines for the timed pass
             marks = [self.clock.mark()]
-            h = self._attention(path, x, positions, kv)
+            h = self._attention(x, positions, kv)
             marks.append(self.clock.mark())
             h2, out = self._dispatch(path, h, comm)
             marks.append(self.clock.mark())
@@ -230,10 +233,9 @@ class LayerBench:
         comm.check()
         med = {s: statistics.median(v) for s, v in samples.items()}
         graph_ms = self._graph_total(path, x, positions, kv, comm, iters) if path == "fp2-fused" else None
-        write_ms = self._write_ms(path, kv, B, iters)
-        floors = self._floors(path, B, L, topk_idx)
-        # which attention kernel variant ran (fp2 path: kv = (Fp2DecodeAttention, ...))
-        keys = ("int8" if kv[0].key_s8 else "fp16") if path == "fp2-fused" and kv[0].on_gpu else None
+        write_ms = self._write_ms(kv, B, iters)
+        floors = self._floors(kv, B, topk_idx)
+        keys, kv_write_format = kv.keys, kv.name
         experts_path = choose_experts_path(h2, self.shard, out.topk_idx.numel())
         del kv
         if self.dev.type == "cuda":
@@ -250,7 +252,7 @@ class LayerBench:
             **{f"{s}_floor_ms": round(floors[s], 4) for s in (*STAGES, "total")},
             "floor_ratio": round(med["total"] / floors["total"], 3),
             "kv_write_ms": round(write_ms, 4),  # inside attention_ms; see the module docstring
-            "kv_write_format": "DEFAULT_FP2 static write" if path == "fp2-fused" else "bf16 row store",
+            "kv_write_format": kv_write_format,
             # the whole pass replayed from one CUDA graph (device time; None: not capturable here,
             # e.g. the host path, which syncs the host inside dispatch)
             "total_graph_ms": None if graph_ms is None else round(graph_ms, 4),
@@ -268,7 +270,7 @@ class LayerBench:
             "date": time.strftime("%Y-%m-%d"),
         }
 
-    def _graph_total(self, path: str, x: Any, positions: Any, kv: tuple, comm: Any, iters: int) -> float | None:
+    def _graph_total(self, path: str, x: Any, positions: Any, kv: Any, comm: Any, iters: int) -> float | None:
         """Median ms of one whole pass captured in a CUDA graph and replayed (GPU; else None).
 
         The staged timing above launches eagerly from Python, so the GPU waits on the host between
@@ -280,7 +282,7 @@ class LayerBench:
             return None
 
         def one_pass() -> None:
-            h = self._attention(path, x, positions, kv)
+            h = self._attention(x, positions, kv)
             h2, out = self._dispatch(path, h, comm)
             y, y_shared = self._experts(h2, out)
             y = comm.combine(y, out)
@@ -307,78 +309,13 @@ class LayerBench:
                 times.append(a.elapsed_time(b))
         comm.check()
         if self.profile:
-            _print_kernel_times(graph, self.flush, f"{path} B={x.shape[0]} L={int(positions[0])}")
+            report.print_kernel_times(graph, self.flush, f"{path} B={x.shape[0]} L={int(positions[0])}")
         return statistics.median(times)
 
-    def _fp2_kv(self, B: int, L: int, gen: Any) -> tuple:
-        """FP2 pages for B sequences of L tokens (L - 36 FP2 tokens + 36 bf16), its kernel, rotations."""
-        import torch
-
-        from zerodram.runtime.attention import Fp2DecodeAttention, random_decode_batch, random_fp2_layer
-
-        cfg = self.cfg
-        hp = min(L, NUM_SINKS + TAIL)
-        n_fp2 = L - hp
-        pages = max(1, B * math.ceil(n_fp2 / PAGE))
-        writer = self._fp2_writer(B, L, gen)
-        v_layout = writer[0].v.layout  # the value layout the engine's cache stores (and its kernel reads)
-        layer = random_fp2_layer(
-            pages, cfg.num_kv_heads, PAGE, cfg.head_dim, device=self.dev, generator=gen, v_layout=v_layout
-        )
-        batch = random_decode_batch(
-            [n_fp2] * B, [hp] * B, pages, cfg.num_kv_heads, PAGE, cfg.head_dim, hp_max=NUM_SINKS + TAIL,
-            device=self.dev, generator=gen,
-        )  # fmt: skip
-        attn = Fp2DecodeAttention(
-            num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=PAGE,
-            max_batch=B, max_fp2_tokens=max(n_fp2, 1), device=self.dev, v_layout=v_layout,
-        )  # fmt: skip
-        # The cache's stored space: a random rotation per side and unit anchors (values don't matter).
-        rot = torch.linalg.qr(torch.randn(2, cfg.head_dim, cfg.head_dim, device=self.dev, generator=gen))[0]
-        anchor = torch.ones(cfg.num_kv_heads, cfg.head_dim, device=self.dev)
-        return attn, layer, batch, rot, anchor, n_fp2, writer
-
-    def _fp2_writer(self, B: int, L: int, gen: Any) -> tuple:
-        """(cache, static index) for the engine's decode write of B sequences that hold L tokens:
-        an `Fp2KVCache` of `DEFAULT_FP2` whose block tables name one page per FP2 page of the
-        sequence (the write touches only the current one), positioned at L."""
-        import torch
-
-        from zerodram.runtime.kv.cache import make_kv_cache
-        from zerodram.runtime.kv.decode_index import StaticDecodeIndex
-        from zerodram.runtime.kv.format import DEFAULT_FP2
-
-        H, D = self.cfg.num_kv_heads, self.cfg.head_dim
-        cache = make_kv_cache(
-            DEFAULT_FP2, num_pages=3 * B + 1, page_size=PAGE, num_kv_heads=H, head_dim=D, max_seqs=B,
-            max_pages_per_seq=L // PAGE + 2, device=self.dev,
-        )  # fmt: skip
-        factor = torch.eye(D, device=self.dev) + 0.1 * torch.randn(H, D, D, device=self.dev, generator=gen).tril(-1)
-        cache.params = tuple(
-            dataclasses.replace(p, feedback=factor) if side.feedback else p
-            for p, side in zip(cache.params, (cache.spec.k, cache.spec.v), strict=True)
-        )
-        for _ in range(B):
-            sid = cache.new_sequence()
-            page = cache.allocator.allocate(1)[0]
-            cache.tables.pages[sid] = [page] * cache._pages_needed(L, 0)
-            cache.tables.lens[sid] = L
-        ix = StaticDecodeIndex.allocate(B, self.dev)
-        ix.fill(cache.plan_decode_static(range(B)), cache.scratch_slot, cache.scratch_page)
-        return cache, ix
-
-    def _bf16_kv(self, B: int, L: int, gen: Any) -> tuple:
-        import torch
-
-        cfg = self.cfg
-        shape = (B, cfg.num_kv_heads, L, cfg.head_dim)  # [B, Hkv, L, Dh]
-        k = torch.randn(shape, device=self.dev, generator=gen, dtype=torch.bfloat16)
-        return k, torch.randn(shape, device=self.dev, generator=gen, dtype=torch.bfloat16)
-
-    def _attention(self, path: str, x: Any, positions: Any, kv: tuple) -> Any:
+    def _attention(self, x: Any, positions: Any, kv: Any) -> Any:
+        """x [B, D] -> x + attention over `kv` (which takes the new token's K/V first)."""
         import torch.nn.functional as F
 
-        from zerodram.runtime.attention import finish_output, prepare_query
         from zerodram.runtime.model.transformer import rms_norm
 
         cfg, w = self.cfg, self.w
@@ -390,30 +327,11 @@ class LayerBench:
         if "q_norm" in w:
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q, k = self.rope.apply(q, k, self.rope.cos_sin(positions, q.dtype))
-        self._write(path, kv, k, v)
-        if path == "fp2-fused":
-            attn, layer, batch, rot, anchor, n_fp2, _ = kv
-            G = Hq // Hkv
-            o = attn(prepare_query(q, rot[0], anchor, G), layer, batch, max_len=max(n_fp2, 1))  # [B, Hq, Dh]
-            o = finish_output(o, rot[1], anchor, G)
-        else:
-            k_cache, v_cache = kv
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], k_cache, v_cache, enable_gqa=True
-            )[:, :, 0, :]  # [B, Hq, Dh]
+        kv.write(k, v)
+        o = kv.attend(q)  # [B, Hq, Dh]
         return x + F.linear(o.reshape(B, Hq * Dh).to(x.dtype), w["o"])
 
-    def _write(self, path: str, kv: tuple, k: Any, v: Any) -> None:
-        """The new token's K/V into the path's cache (k, v [B, Hkv, Dh]; see the module docstring)."""
-        if path == "fp2-fused":
-            cache, ix = kv[-1]
-            cache.write_decode_static(k, v, ix)  # the same row every pass: the work is what counts
-        else:
-            k_cache, v_cache = kv
-            k_cache[:, :, -1] = k
-            v_cache[:, :, -1] = v
-
-    def _write_ms(self, path: str, kv: tuple, B: int, iters: int) -> float:
+    def _write_ms(self, kv: Any, B: int, iters: int) -> float:
         """Median device ms of the K/V write alone (after a warm-up)."""
         import torch
 
@@ -422,7 +340,7 @@ class LayerBench:
         times = []
         for i in range(iters + 3):
             a = self.clock.mark()
-            self._write(path, kv, k, k)
+            kv.write(k, k)
             b = self.clock.mark()
             if i >= 3:
                 times.append(self.clock.between_ms(a, b))
@@ -450,16 +368,11 @@ class LayerBench:
         shared = SharedExpert(w["shared.gate"], w["shared.up"], w["shared.down"], w.get("shared.sigmoid_gate"))
         return y, shared(h2)
 
-    def _floors(self, path: str, B: int, L: int, topk_idx: Any) -> dict:
+    def _floors(self, kv: Any, B: int, topk_idx: Any) -> dict:
         cfg = self.cfg
         D, Hq, Hkv, Dh, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts_per_tok
         attn_w = 2 * D * (Hq + 2 * Hkv) * Dh + 2 * Hq * Dh * D  # bf16 q, k, v, o
-        if path == "fp2-fused":
-            hp = min(L, NUM_SINKS + TAIL)
-            # per token and kv head: D/4 code bytes + D/64 e4m3 scale bytes, for K and V; bf16 tail
-            kv_bytes = B * Hkv * ((L - hp) * 2 * (Dh // 4 + Dh // 64) + hp * Dh * 2 * 2)
-        else:
-            kv_bytes = B * Hkv * L * Dh * 2 * 2
+        kv_bytes = kv.kv_bytes
         touched = len(set(topk_idx.flatten().tolist()))
         F_ = cfg.moe_intermediate_size
         expert_w = 2 * cfg.num_experts * D + touched * 3 * F_ * D * 2  # router + gate/up/down
@@ -474,65 +387,6 @@ class LayerBench:
         }
         f["total"] = sum(f.values())
         return {**f, "kv_bytes": kv_bytes, "weight_bytes": attn_w + expert_w, "experts_touched": touched}
-
-
-def _print_kernel_times(graph: Any, flush: Any, label: str, reps: int = 5) -> None:
-    """Device time per kernel of one replay of `graph` (CUPTI sees the kernels inside it), on stderr."""
-    from zerodram.runtime.metrics.devtime import device_activity
-
-    def one() -> None:
-        flush.sum()
-        graph.replay()
-
-    rows = device_activity(one, reps)
-    total = sum(us for _, us, _ in rows)
-    print(
-        f"# kernels of one {label} replay: {total / 1e3:.3f} ms of kernel time, including one 256 MB "
-        "L2-flush reduction (about 0.06 ms) that is not part of the step",
-        file=sys.stderr,
-    )
-    for name, us, n in rows[:14]:
-        print(f"#   {us / 1e3:8.3f} ms  x{n:<3.0f} {name[:100]}", file=sys.stderr)
-
-
-def _print_tables(rows: list[dict], bench: LayerBench) -> None:
-    cfg = bench.cfg
-    print(
-        f"\n# {bench.device_name}: one MoE layer (index {bench.idx}) of {bench.model} "
-        f"(D {cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
-        f"{cfg.num_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}); "
-        f"memory bandwidth {bench.copy_bw / 1e12:.2f} TB/s (copy, r+w); dispatch: "
-        + ", ".join(f"{p} {b}" for p, b in bench.backends.items())
-    )
-    by = {(r["path"], r["B"], r["L"]): r for r in rows}
-    print(f"\n{'B':>4} {'L':>7} | {'path':9} {'step ms':>9} {'floor ms':>9} {'x floor':>7} {'tok/s*':>9}"
-          f" | {'speedup':>7} {'floor ratio':>11}")  # fmt: skip
-    for r in rows:
-        other = by.get(("bf16-host", r["B"], r["L"]))
-        speed = ratio = ""
-        if r["path"] == "fp2-fused" and other is not None:
-            speed = f"{other['total_ms'] / r['total_ms']:.2f}x"
-            ratio = f"{other['total_floor_ms'] / r['total_floor_ms']:.2f}x"
-        print(
-            f"{r['B']:>4} {r['L']:>7} | {r['path']:9} {r['total_ms']:>9.3f} {r['total_floor_ms']:>9.3f} "
-            f"{r['floor_ratio']:>6.2f}x {r['tok_s_projected']:>9.1f} | {speed:>7} {ratio:>11}"
-        )
-    print("tok/s* = B / (layer step x its model's layers): a projection from one layer")
-    for r in rows:
-        if r.get("total_graph_ms") is not None:
-            print(
-                f"{r['path']} B={r['B']} L={r['L']}: whole pass from one CUDA graph "
-                f"{r['total_graph_ms']:.3f} ms = {r['graph_floor_ratio']:.2f}x floor"
-            )
-    L = max(r["L"] for r in rows)
-    print(f"\nbreakdown at L = {L}: measured ms (floor ms)")
-    print(f"{'path':9} {'B':>4} | " + " | ".join(f"{s:>17}" for s in (*STAGES, "total")))
-    for r in (r for r in rows if r["L"] == L):
-        cells = " | ".join(f"{r[s + '_ms']:>8.3f} ({r[s + '_floor_ms']:>6.3f})" for s in (*STAGES, "total"))
-        print(f"{r['path']:9} {r['B']:>4} | {cells} | K/V write alone {r['kv_write_ms']:.3f}")
-    print("floors: attention = (q/k/v/o weights + KV) / bandwidth; experts = (router + routed experts) / "
-          "bandwidth; dispatch, combine = B*K bf16 rows / (copy bandwidth / 2), one rank")  # fmt: skip
-
 
 
 if __name__ == "__main__":

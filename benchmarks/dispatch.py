@@ -38,11 +38,17 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from zerodram.launch.bench_cmd import load_sibling
+
 if TYPE_CHECKING:
     import torch
 
     from zerodram.launch.watchdog import StageWatchdog
     from zerodram.runtime.context import RankContext
+
+
+report = load_sibling(__file__, "dispatch_report")  # CaseResult and the tables
+CaseResult, SHARED_NOTE = report.CaseResult, report.SHARED_NOTE
 
 
 @dataclass(frozen=True)
@@ -56,37 +62,8 @@ class Grid:
 GPU_GRID = Grid(tokens=(1, 8, 32, 128, 512), hidden=(4096, 7168), experts=(32, 256), topk=(2, 8))
 SHARED_GPU_GRID = Grid(tokens=(1, 128), hidden=(7168,), experts=(256,), topk=(8,))  # the decode anchor
 CPU_GRID = Grid(tokens=(1, 8, 32), hidden=(256,), experts=(8,), topk=(2,))
-SHARED_NOTE = "PEs share one GPU: correctness/liveness run, not a speed figure"
 SLEEP_CYCLES = 10_000_000  # ~5 ms at H200 clocks: far longer than enqueuing one case's replays
 FLUSH_BYTES = 256 << 20  # > H200's L2 (50 MB)
-
-
-@dataclass(frozen=True)
-class CaseResult:
-    path: str
-    wire: str
-    tokens: int
-    hidden: int
-    experts: int
-    topk: int
-    world_size: int
-    dispatch_graph_us: float | None  # CUDA-graph replay, device time (NVSHMEM only)
-    combine_graph_us: float | None
-    dispatch_eager_us: float  # one call from Python, host launch included
-    combine_eager_us: float
-    graph_host_bound: bool | None  # the host enqueued slower than the device ran: graph figure has gaps
-    host_stages_us: dict[str, float] | None  # host path: one call split by stage
-    dispatch_bytes: int
-    combine_bytes: int
-    dispatch_floor_us: float
-    combine_floor_us: float
-    floor_basis: str
-    iters: int
-    warmup: int
-    shared_gpu: bool
-    note: str
-    device: str
-    date: str
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
             os._exit(3)
         if ctx.rank == 0:
             if not args.json:
-                _print_table(results, out)
-            _print_summary(results, out)
+                report.print_table(results, out)
+            report.print_summary(results, out)
     finally:
         dog.close()
         if own:
@@ -419,70 +396,6 @@ def _floor_basis(ctx: RankContext, copy_bw: float) -> tuple[float, str]:
     if ctx.world_size == 1:
         return copy_bw / 2, f"local copy {copy_bw / 1e12:.2f} TB/s r+w"
     return float("nan"), "no topology: no link bandwidth"
-
-
-def _fmt(v: float | None, width: int) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.1f}"
-
-
-def _print_table(results: list[CaseResult], out: Any) -> None:
-    head = (
-        f"{'path':8} {'wire':4} {'T':>4} {'D':>5} {'E':>4} {'K':>2} | {'disp graph':>10} {'eager':>8} "
-        f"{'floor':>7} | {'comb graph':>10} {'eager':>8} {'floor':>7} | {'MB':>6}"
-    )
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in results:
-        print(
-            f"{r.path:8} {r.wire:4} {r.tokens:>4} {r.hidden:>5} {r.experts:>4} {r.topk:>2} | "
-            f"{_fmt(r.dispatch_graph_us, 10)} {r.dispatch_eager_us:>8.1f} {r.dispatch_floor_us:>7.2f} | "
-            f"{_fmt(r.combine_graph_us, 10)} {r.combine_eager_us:>8.1f} {r.combine_floor_us:>7.2f} | "
-            f"{r.dispatch_bytes / 1e6:>6.2f}",
-            file=out,
-        )
-
-
-def _print_summary(results: list[CaseResult], out: Any) -> None:
-    """The anchor shape (largest D, E, K of the grid) per T, and medians over the grid; us."""
-    if not results:
-        return
-    r0 = results[0]
-    if r0.shared_gpu:
-        print(f"NOTE: {SHARED_NOTE}", file=out)
-    D, E, K = (max(getattr(r, f) for r in results) for f in ("hidden", "experts", "topk"))
-    by = {(r.path, r.wire, r.tokens): r for r in results if (r.hidden, r.experts, r.topk) == (D, E, K)}
-    paths = sorted({r.path for r in results})
-    print(f"D={D} E={E} K={K}, world size {r0.world_size}, us, medians of {r0.iters}:", file=out)
-    cols = " ".join(f"{p + ' ' + c:>16}" for p in paths for c in ("disp g/eager", "comb g/eager"))
-    print(f"{'wire':4} {'T':>4} | {cols} | {'floor d/c':>13}", file=out)
-    for wire, T in sorted({(w, t) for _, w, t in by}):
-        cells = []
-        for p in paths:
-            r = by.get((p, wire, T))
-            if r is None:
-                cells += ["", ""]
-                continue
-            for g, e in (
-                (r.dispatch_graph_us, r.dispatch_eager_us),
-                (r.combine_graph_us, r.combine_eager_us),
-            ):
-                cells.append(f"{_fmt(g, 7).strip():>7}/{e:<8.1f}")
-        ref = by[next(k for k in by if k[1:] == (wire, T))]
-        floor = f"{ref.dispatch_floor_us:.2f}/{ref.combine_floor_us:.2f}"
-        print(f"{wire:4} {T:>4} | {' '.join(f'{c:>16}' for c in cells)} | {floor:>13}", file=out)
-    for p in paths:
-        rs = [r for r in results if r.path == p]
-        parts = []
-        for f in ("dispatch", "combine"):
-            g = [v for r in rs if (v := getattr(r, f + "_graph_us")) is not None]
-            e = statistics.median(getattr(r, f + "_eager_us") for r in rs)
-            parts.append(f"{f} " + (f"graph {statistics.median(g):.1f} / " if g else "") + f"eager {e:.1f}")
-        print(f"median over {len(rs)} {p} cases: " + ", ".join(parts), file=out)
-    if any(r.graph_host_bound for r in results):
-        print(
-            "WARNING: some graph timings were host bound (graph_host_bound): they include host gaps", file=out
-        )
-    print(f"floor = bytes / ({r0.floor_basis})", file=out)
 
 
 if __name__ == "__main__":

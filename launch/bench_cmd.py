@@ -4,7 +4,8 @@ Add a subcommand with one line in `SUBCOMMANDS`: name -> (target, help). A targe
 "module:" (an importable module) or "path.py:" relative to the repository root (the `benchmarks/`
 folder is not installed as a package); the module provides `add_arguments(parser)` and
 `run(args) -> int`. Heavy imports happen inside `run`, so `--help` stays instant. Run directly
-(`python benchmarks/NAME.py ...`), a script hands the same two to `run_script`.
+(`python benchmarks/NAME.py ...`), a script hands the same two to `run_script`. A benchmark split
+over several files loads its siblings with `load_sibling`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def load_sibling(script: str, name: str) -> ModuleType:
+    """NAME.py beside `script` (a benchmark's __file__) as a module, loaded once: how a benchmark
+    imports its sibling files (benchmarks/ is not a package, and a script run directly has no import
+    path to it).
+    """
+    return _load_file(Path(script).resolve().with_name(f"{name}.py"))
+
+
 def _load(target: str) -> ModuleType:
     if not target.endswith(".py"):
         return importlib.import_module(target)
     path = REPO_ROOT / target
     if not path.exists():
         raise ConfigError(f"benchmark {target} not found under {REPO_ROOT} (run from a source checkout)")
+    return _load_file(path)
+
+
+def _load_file(path: Path) -> ModuleType:
     name = "zerodram_bench_" + path.stem
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
