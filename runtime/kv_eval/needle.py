@@ -28,6 +28,11 @@ class NeedleTrial:
     depth: float
     key: str
 
+    def answered(self, pred: torch.Tensor) -> bool:
+        """pred [A]: the greedy next token at each of answer_pos. The trial passes when every one is
+        the answer's token (what greedy decoding would produce)."""
+        return bool((pred.to(self.ids.device) == self.ids[0, self.answer_pos + 1]).all())
+
 
 def make_trials(
     enc: Callable[[str], list[int]], ctx: int, num_trials: int, seed: int = 0
@@ -58,6 +63,5 @@ def pass_rate(session: CodecSession, trials: list[NeedleTrial]) -> float:
     ok = 0
     for t in trials:
         logits = session.forward(t.ids).logits[0]
-        pred = logits[t.answer_pos].argmax(-1)
-        ok += bool((pred == t.ids[0, t.answer_pos + 1]).all())
+        ok += t.answered(logits[t.answer_pos].argmax(-1))
     return ok / max(len(trials), 1)
