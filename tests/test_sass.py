@@ -1,0 +1,105 @@
+"""kernels/sass.py: loops and walks of a hand-written listing whose counts are known by
+construction, then the real decode kernel's cubin (NVRTC and nvdisasm run without a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_cli import run_bench
+
+from zerodram.kernels.sass import SassError, census, census_text, registers
+
+# One kernel, laid out as ptxas lays out a pipelined loop. Block sizes in instructions:
+#   entry 2 | loop head 2 | copy 2 (skipped on the tail) | 1 | full stage 4 or partial stage 5 |
+#   BRA.DIV 1 (-> a stub of 2 at the end, which jumps back) | inner loop 2 | outer latch 1 | exit 1
+_LISTING = [
+    "S2R R0, SR_TID.X", "ISETP.GE.AND P0, PT, R0, 0x20, PT",
+    ".L_x_0:", "DEPBAR.LE SB0, 0x2", "@P0 BRA `(.L_x_1)",
+    "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]", "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]",
+    ".L_x_1:", "@P1 BRA `(.L_x_2)",
+    "HMMA.16816.F32 R8, R12, R14, R8", "HMMA.16816.F32 R8, R12, R14, R8", "HMMA.16816.F32 R8, R12, R14, R8",
+    "BRA `(.L_x_3)",
+    ".L_x_2:", *["HMMA.16816.F32 R8, R12, R14, R8"] * 5,
+    ".L_x_3:", "BRA.DIV UR4, `(.L_x_9)",
+    ".L_x_4:", "FADD R1, R1, R2", "@P2 BRA `(.L_x_4)",
+    "@P3 BRA `(.L_x_0)",
+    "EXIT",
+    ".L_x_9:", "WARPSYNC.ALL", "BRA `(.L_x_4)",
+]
+
+
+def _nvdisasm_text(kernel: str, body: list[str]) -> str:
+    out = [f"\t.section\t.text.{kernel},\"ax\",@progbits", f"{kernel}:", f".text.{kernel}:"]
+    addr = 0
+    for line in body:
+        if line.startswith(".L_x_"):
+            out.append(line)
+            continue
+        pred, _, rest = line.partition(" ") if line.startswith("@") else ("", "", line)
+        out.append(f"        /*{addr:04x}*/ {pred:>18} {rest} ;")
+        addr += 0x10
+    other = ["\t.section\t.text.other,\"ax\",@progbits", ".text.other:", "        /*0000*/ BRA `(.L_x_0) ;"]
+    return "\n".join(out + other) + "\n"
+
+
+def test_loops_and_walks_of_a_known_listing():
+    k = census_text(_nvdisasm_text("k", _LISTING), "k")
+    assert len(k.instrs) == 2 + 2 + 2 + 1 + 4 + 5 + 1 + 2 + 1 + 1 + 2  # the other kernel's line left out
+    outer, inner = k.loops
+    assert (outer.depth, inner.depth) == (0, 1)
+    assert k.main_loop() is outer
+    # steady: head, copy, branch, full stage, BRA.DIV, inner loop once, latch
+    assert outer.per_iteration == 2 + 2 + 1 + 4 + 1 + 2 + 1
+    assert outer.steady["LDGSTS.E.BYPASS.128"] == 2 and outer.steady["HMMA.16816.F32"] == 3
+    assert outer.count(("HMMA",)) == 3 and outer.count(("LDGSTS", "DEPBAR")) == 3
+    assert outer.shortest == 2 + 1 + 4 + 1 + 2 + 1  # no copy
+    assert outer.longest == 2 + 2 + 1 + 5 + 1 + 2 + 2 + 1  # partial stage and the divergence stub
+    assert inner.per_iteration == inner.shortest == inner.longest == 2
+    assert k.indirect == ()
+
+
+def test_a_missing_kernel_is_named():
+    with pytest.raises(SassError, match="'nope'"):
+        census_text(_nvdisasm_text("k", _LISTING), "nope")
+
+
+@pytest.fixture(scope="module")
+def decode_cubin() -> bytes:
+    from zerodram.kernels.attention import Fp2KernelConfig
+    from zerodram.kernels.jit import compile_cubin
+
+    return compile_cubin("attn_fp2_decode", Fp2KernelConfig(key_s8=True, v_quad=True).build_options("attn_fp2_decode"))
+
+
+def test_the_decode_kernels_main_loop(decode_cubin):
+    """The committed kernel's stage, by the algorithm: 8 int8 score MMAs (two 16-token tiles x 4
+    k32 steps of D 128; at G <= 4 the query's hi and lo terms share one MMA) and 16 fp16 value MMAs
+    (two 16-token k steps x 8 tiles of 16 channels), a copy ahead, no spills. Compiler-independent
+    facts only; the count itself is `bench sass`'s to report."""
+    k = census(decode_cubin, "attn_fp2_decode")
+    loop = k.main_loop()
+    assert loop.count(("IMMA",)) == 8 and loop.count(("HMMA",)) == 16
+    assert loop.count(("LDGSTS",)) > 0
+    assert loop.shortest <= loop.per_iteration <= loop.longest
+    assert 64 <= k.registers <= 255 and k.local_memory_ops() == 0
+
+
+def test_registers_refuses_what_is_not_there(decode_cubin):
+    with pytest.raises(SassError, match="no kernel 'nope'"):
+        registers(decode_cubin, "nope")
+    with pytest.raises(SassError, match="ELF"):
+        registers(b"not a cubin", "attn_fp2_decode")
+
+
+def test_bench_sass_prints_a_json_line_per_config():
+    run = run_bench(["sass", "--json", "--configs", "default,token"])
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["config"] for r in rows] == ["default", "token"]
+    assert all(r["bench"] == "sass_census" and r["per_8192"] == r["per_stage"] for r in rows)
+
+
+def test_bench_sass_names_an_unknown_config():
+    run = run_bench(["sass", "--configs", "default,nope"])
+    assert run.returncode != 0 and "nope" in run.stderr
