@@ -58,7 +58,7 @@ class Block:
 
 @dataclass(frozen=True)
 class Loop:
-    """One natural loop: its head block, the blocks that reach its back edges, and three walks
+    """One natural loop (its head and the blocks that reach its back edges), counted by three walks
     from the head round to a back edge (inner loops taken once).
 
     `steady` is the walk that issues the most copy instructions (`COPY_OPS`) and, among those, the
@@ -69,7 +69,6 @@ class Loop:
 
     head_addr: int
     end_addr: int  # address of the loop's last instruction
-    blocks: tuple[int, ...]
     steady: Counter[str]  # opcode -> count along the steady walk
     shortest: int
     longest: int
@@ -267,8 +266,7 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
         depth = sum(1 for h, other in bodies.items() if h != head and body < other)
         last = blocks[max(body)]
         loops.append(
-            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, tuple(sorted(body)), steady,
-                 shortest, longest, depth)
+            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth)
         )
     loops.sort(key=lambda lp: (lp.depth, lp.head_addr))
     return KernelSass(kernel, num_registers, tuple(instrs), tuple(blocks), tuple(loops), tuple(indirect))
