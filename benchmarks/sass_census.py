@@ -1,6 +1,7 @@
 """The decode kernel's main loop as ptxas compiled it: instructions per stage, without a GPU.
 
     python benchmarks/sass_census.py [--json] [--configs default,fp16keys,token] [--opcodes]
+                                     [--set FIELD=VALUE ...]
     zerodram bench sass ...
 
 Compiles `attn_fp2_decode` through the package's own JIT (NVRTC, the cubin that runs), and counts
@@ -41,6 +42,8 @@ def configs() -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="default,fp16keys,token", help="comma separated, from: default, fp16keys, token")
     p.add_argument("--opcodes", action="store_true", help="also each config's steady walk by opcode")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override an Fp2KernelConfig field in every config (max_registers=168, stages=5)")
     p.add_argument("--json", action="store_true", help="one JSON line per config")
 
 
@@ -57,6 +60,23 @@ class Row:
     longest: int
     registers: int
     spills: int
+
+
+def override(cfg, assignments: list[str]):
+    """`cfg` with FIELD=VALUE assignments applied, each value parsed as the field's current type."""
+    import dataclasses
+
+    from zerodram.runtime.errors import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for item in assignments:
+        name, eq, text = item.partition("=")
+        if not eq or name not in fields:
+            raise ConfigError(f"--set {item!r}: want FIELD=VALUE with FIELD one of {sorted(fields)}")
+        kind = type(getattr(cfg, name))
+        changes[name] = text.lower() in ("1", "true") if kind is bool else kind(text)
+    return dataclasses.replace(cfg, **changes)
 
 
 def census_row(name: str, cfg, elements_per_stage: int):
@@ -83,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.configs.split(",")
     if unknown := [n for n in names if n not in known]:
         raise ConfigError(f"unknown config(s) {unknown}; known: {list(known)}")
-    results = [census_row(n, known[n], TOKENS_PER_STAGE * known[n].head_dim * 2) for n in names]
+    results = [census_row(n, override(known[n], args.set), TOKENS_PER_STAGE * known[n].head_dim * 2) for n in names]
     if args.json:
         for row, _ in results:
             print(json.dumps({"bench": "sass_census", **asdict(row)}))

@@ -208,12 +208,9 @@ def _blocks(instrs: list[Instr], labels: dict[str, int]) -> tuple[list[Block], l
     return blocks, indirect
 
 
-def _dominators(blocks: list[Block]) -> list[set[int]]:
-    n = len(blocks)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for b, blk in enumerate(blocks):
-        for s in blk.succs:
-            preds[s].append(b)
+def _dominators(preds: list[list[int]]) -> list[set[int]]:
+    """dom[b]: the blocks every path from the entry (block 0) to b passes, b included."""
+    n = len(preds)
     dom = [set(range(n)) for _ in range(n)]
     dom[0] = {0}
     changed = True
@@ -240,11 +237,11 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
     """`census` from nvdisasm's text (tests feed it a hand-written listing)."""
     instrs, labels = parse(sass, kernel)
     blocks, indirect = _blocks(instrs, labels)
-    dom = _dominators(blocks)
-    preds: dict[int, list[int]] = {}
+    preds: list[list[int]] = [[] for _ in blocks]
     for b, blk in enumerate(blocks):
         for s in blk.succs:
-            preds.setdefault(s, []).append(b)
+            preds[s].append(b)
+    dom = _dominators(preds)
     latches: dict[int, list[int]] = {}  # loop head -> blocks with a back edge to it
     for b, blk in enumerate(blocks):
         for s in blk.succs:
@@ -257,7 +254,7 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
             b = stack.pop()
             if b not in body:
                 body.add(b)
-                stack.extend(preds.get(b, []))
+                stack.extend(preds[b])
         bodies[head] = body
     loops = []
     for head, body in bodies.items():

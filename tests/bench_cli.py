@@ -14,10 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str) -> ModuleType:
-    """benchmarks/NAME.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    """benchmarks/NAME.py as a module (registered while it executes: dataclasses look it up)."""
+    key = f"zerodram_test_bench_{name}"
+    spec = importlib.util.spec_from_file_location(key, REPO / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[key] = mod
     spec.loader.exec_module(mod)
     return mod
 

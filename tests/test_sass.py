@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_cli import run_bench
+from bench_cli import load_script, run_bench
 
 from zerodram.kernels.sass import SassError, census, census_text, registers
 
@@ -103,3 +103,15 @@ def test_bench_sass_prints_a_json_line_per_config():
 def test_bench_sass_names_an_unknown_config():
     run = run_bench(["sass", "--configs", "default,nope"])
     assert run.returncode != 0 and "nope" in run.stderr
+
+
+def test_bench_sass_overrides_config_fields():
+    from zerodram.kernels.attention import Fp2KernelConfig
+    from zerodram.runtime.errors import ConfigError
+
+    override = load_script("sass_census").override
+    cfg = override(Fp2KernelConfig(key_s8=True), ["max_registers=168", "key_s8=0", "scale_dtype=e8m0"])
+    assert (cfg.max_registers, cfg.key_s8, cfg.scale_dtype) == (168, False, "e8m0")
+    for bad in ("nope=1", "stages"):
+        with pytest.raises(ConfigError, match="FIELD=VALUE"):
+            override(cfg, [bad])
