@@ -10,9 +10,9 @@ relative; e5m2 x e4m3: 2^-9 of the sum of the products' magnitudes. Those operan
 every product and partial sum is exact in fp32 (small integers times powers of two), but Hopper's FP8
 MMA does not accumulate in full fp32: on the H200 (2026-12-05) 18-19% of the sums came back off by up
 to 2^-12 of their value. A wrong fragment or descriptor layout moves whole products (errors of order
-the sum itself), so the bound still fixes the layout. The kernels that use this form
-(attn_fp2_decode_wg) accumulate each stage from zero in the tensor core and add in fp32 for this
-reason.
+the sum itself), so the bound still fixes the layout. The kernel that uses this form (the FP8
+value-product kernel on branch next/fp8-warpgroup) accumulates each stage from zero in the tensor
+core and adds in fp32 for this reason.
 """
 
 from __future__ import annotations
