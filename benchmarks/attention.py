@@ -117,7 +117,9 @@ def _case(
     for n_tok, tag in ((1, "write1"), (32, "flush32")):
         y = torch.randn(B * n_tok, HKV, 2, D, device=dev, generator=gen)
         s = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(n_tok)
-        f = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
+        # write1: each sequence's newest FP2 token (what a decode step's append writes); flush32: the first 32
+        first = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
+        f = (batch.fp2_len - 1).clamp_min(0) if n_tok == 1 else first
         row[f"{tag}_ms"] = median_ms(
             lambda y=y, s=s, f=f: writer.write(y, s, f, best_layer, batch.block_table), 10, flush
         )

@@ -10,8 +10,8 @@ stage, so the count per 8192 K/V elements (32 tokens x D 128 x K and V) is the o
 measures per stage (docs/fp2-kernel.md, "Static counts", for how far the two agree). Columns: the
 walk's instructions, those per 8192 K/V elements, the ALU pipe's share (LOP3, PRMT, SHF, I2FP,
 FMNMX, F2FP: one warp instruction per two cycles, docs/fp2-kernel.md, "Issue costs"), MMAs,
-shared-memory loads, copies, the shortest and longest walks round the loop, registers and spilled
-loads and stores. A count, not a time: a change that lowers it still needs `bench attention` on a
+shared-memory loads, copies, the shortest and longest walks round the loop, ptxas's fixed stall
+cycles along the stage (the schedule, not only the count), registers and spilled loads and stores. A count, not a time: a change that lowers it still needs `bench attention` on a
 GPU, and the first config is the baseline the others are read against.
 """
 
@@ -58,6 +58,7 @@ class Row:
     copies: int
     shortest: int
     longest: int
+    stall_cycles: int  # ptxas's fixed stall cycles along the stage (kernels/sass.py)
     registers: int
     spills: int
 
@@ -90,7 +91,7 @@ def census_row(name: str, cfg, elements_per_stage: int):
     row = Row(
         name, loop.per_iteration, round(loop.per_iteration * 8192 / elements_per_stage, 1), loop.count(ALU_PIPE),
         loop.count(MMA), loop.count(SHARED_LOADS), loop.count(COPY_OPS), loop.shortest, loop.longest,
-        k.registers, k.local_memory_ops(),
+        loop.stall_cycles, k.registers, k.local_memory_ops(),
     )
     return row, loop.steady
 
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         for row, _ in results:
             print(json.dumps({"bench": "sass_census", **asdict(row)}))
         return 0
-    head = ("config", "/stage", "/8192", "ALU pipe", "MMA", "LDS", "copies", "shortest", "longest", "regs", "spills")
+    head = ("config", "/stage", "/8192", "ALU pipe", "MMA", "LDS", "copies", "shortest", "longest", "stalls", "regs",
+            "spills")
     print(" ".join(f"{h:>9}" for h in head))
     for row, _ in results:
         print(" ".join(f"{v:>9}" for v in asdict(row).values()))

@@ -42,6 +42,11 @@ class Fp2KernelConfig:
     # ptxas squeezed the kernel to ~117-128 registers by recomputing every lane's shared-memory
     # offsets each stage (674 instructions in the main loop against 564 with a cap of 255).
     max_registers: int = 255
+    # ptxas's --register-usage-level (0..10, its default 5): how freely it may spend registers to
+    # schedule. At 6..10 the device's NVRTC 13.0 gives the decode's main loop 159 registers (3 CTAs
+    # per SM still fit) and a schedule with 829 fixed stall cycles a stage against 896 at 5, the same
+    # 474 instructions; measured 2-3% faster at B = 8, L = 128k (docs/benchmarks.md, 2026-12-05).
+    register_usage: int = 8
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
 
     def defines(self) -> dict[str, int]:
@@ -65,7 +70,9 @@ class Fp2KernelConfig:
             "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD"),
         }[kernel]
         d = self.defines()
-        extra = ("-lineinfo", f"-maxrregcount={self.max_registers}") if kernel == "attn_fp2_decode" else ("-lineinfo",)
+        extra = ("-lineinfo",)
+        if kernel == "attn_fp2_decode":
+            extra += (f"-maxrregcount={self.max_registers}", f"-Xptxas=--register-usage-level={self.register_usage}")
         return BuildOptions.make(arch="sm_90", defines={k: d[k] for k in keep}, extra=extra)
 
     @property

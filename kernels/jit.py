@@ -209,6 +209,8 @@ def _extra_options(extra: tuple[str, ...]) -> dict[str, Any]:
             out["use_fast_math"] = True
         elif flag.startswith("-maxrregcount="):
             out["max_register_count"] = int(flag.split("=", 1)[1])
+        elif flag.startswith("-Xptxas="):  # one ptxas option, e.g. -Xptxas=--register-usage-level=8
+            out.setdefault("ptxas_options", []).append(flag.split("=", 1)[1])
         else:
             raise KernelBuildError(f"unsupported compile flag {flag!r}")
     return out

@@ -11,6 +11,15 @@ both sides, which no walk shows; calls (the compiler's slow paths for division) 
 instruction. For the committed decode kernel the steady walk gives 472 instructions per stage where
 Nsight Compute measured 474.5 (docs/fp2-kernel.md, "Static counts").
 
+The count is not the whole schedule: ptxas also writes into each instruction's control bits how
+many cycles its warp stalls before issuing the next (fixed-latency dependences; variable-latency
+ones wait on scoreboards instead). `Loop.stall_cycles` sums them along the steady walk. The field
+(bits 105-108 of the 128-bit sm_90 encoding) is not documented by NVIDIA; it is read as the
+published reverse-engineering of Volta-to-Hopper SASS gives it. On the H200 two builds of the decode
+loop with the same 474 instructions but 896 and 829 stall cycles ran 2-3% apart, and a build with
+533 instructions and 1010 cycles 18% slower (docs/benchmarks.md, 2026-12-05): a second static
+number, still not a time.
+
 Limits: indirect branches (BRX, JMX) end a block with no successor, so a kernel with switch tables
 gets loops that may be too small; `KernelSass.indirect` names them.
 """
@@ -22,7 +31,7 @@ import struct
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # "        /*01a0*/               @!P0 BRA P1, `(.L_x_0) ;"
@@ -31,6 +40,9 @@ _LABEL_RE = re.compile(r"^(\.L_x_\d+|\.text\.\S+):")
 _TARGET_RE = re.compile(r"`\((\.L_x_\d+)\)")
 _EIATTR_REGCOUNT = 0x2F
 _SECTION_RE = re.compile(r"^\s*\.section\s+\.text\.(\S+?),")
+# nvdisasm -hex: the encoding's high 64 bits alone on the line after the instruction
+_HIGH_WORD_RE = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
+_STALL_SHIFT = 105 - 64  # the stall count: bits 105-108 of the instruction, 41-44 of its high word
 
 
 class SassError(RuntimeError):
@@ -43,6 +55,7 @@ class Instr:
     opcode: str  # with its modifiers: "LDGSTS.E.BYPASS.128"
     predicated: bool
     target: str | None  # a branch's label
+    stall: int = 0  # cycles the warp stalls after it (control bits; 0 where the listing has no encoding)
 
     @property
     def base(self) -> str:
@@ -73,6 +86,7 @@ class Loop:
     shortest: int
     longest: int
     depth: int  # 0 for an outermost loop
+    stall_cycles: int = 0  # the steady walk's fixed stall cycles (Instr.stall summed)
 
     @property
     def per_iteration(self) -> int:
@@ -117,7 +131,7 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "k.cubin"
         f.write_bytes(cubin)
-        run = subprocess.run([nvdisasm_path(), "-c", str(f)], capture_output=True, text=True)
+        run = subprocess.run([nvdisasm_path(), "-c", "-hex", str(f)], capture_output=True, text=True)
     if run.returncode != 0:
         raise SassError(f"nvdisasm failed ({run.returncode}): {run.stderr.strip()}")
     return run.stdout
@@ -149,11 +163,15 @@ def registers(cubin: bytes, kernel: str) -> int:
 
 
 def parse(sass: str, kernel: str) -> tuple[list[Instr], dict[str, int]]:
-    """The kernel's instructions and its labels (label -> instruction index), from nvdisasm -c."""
+    """The kernel's instructions and its labels (label -> instruction index), from nvdisasm -c
+    (with -hex, each instruction's stall count too)."""
     instrs: list[Instr] = []
     labels: dict[str, int] = {}
     inside = False
     for line in sass.splitlines():
+        if instrs and inside and (m := _HIGH_WORD_RE.match(line)):
+            instrs[-1] = replace(instrs[-1], stall=(int(m.group(1), 16) >> _STALL_SHIFT) & 0xF)
+            continue
         if m := _SECTION_RE.match(line):
             inside = m.group(1) == kernel
             continue
@@ -260,10 +278,11 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
     for head, body in bodies.items():
         walk, shortest, longest = _walks(instrs, blocks, body, head, set(latches[head]), dom)
         steady = Counter(instrs[i].opcode for b in walk for i in range(blocks[b].first, blocks[b].end))
+        stalls = sum(instrs[i].stall for b in walk for i in range(blocks[b].first, blocks[b].end))
         depth = sum(1 for h, other in bodies.items() if h != head and body < other)
         last = blocks[max(body)]
         loops.append(
-            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth)
+            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth, stalls)
         )
     loops.sort(key=lambda lp: (lp.depth, lp.head_addr))
     return KernelSass(kernel, num_registers, tuple(instrs), tuple(blocks), tuple(loops), tuple(indirect))

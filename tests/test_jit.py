@@ -44,6 +44,15 @@ def test_keep_source_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert "fill_pattern" in kept[0].read_text()
 
 
+def test_ptxas_options_reach_ptxas() -> None:
+    """-Xptxas=OPT is handed to ptxas: an option it does not know fails the build naming it."""
+    assert _is_elf(compile_cubin("smoke", BuildOptions(extra=("-Xptxas=--register-usage-level=8",))))
+    with pytest.raises(KernelBuildError, match="no-such-option"):
+        compile_cubin("smoke", BuildOptions(extra=("-Xptxas=--no-such-option",)))
+    with pytest.raises(KernelBuildError, match="unsupported compile flag"):
+        compile_cubin("smoke", BuildOptions(extra=("-O9",)))
+
+
 def test_missing_kernel_names_the_alternatives() -> None:
     with pytest.raises(KernelBuildError, match=r"no kernel source.*smoke"):
         compile_cubin("does_not_exist")

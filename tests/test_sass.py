@@ -29,7 +29,9 @@ _LISTING = [
 ]
 
 
-def _nvdisasm_text(kernel: str, body: list[str]) -> str:
+def _nvdisasm_text(kernel: str, body: list[str], stall=None) -> str:
+    """nvdisasm -c's layout; with `stall` (instruction text -> cycles) also -hex's encoding lines,
+    the stall count in bits 41-44 of the high word beside other control bits set."""
     out = [f"\t.section\t.text.{kernel},\"ax\",@progbits", f"{kernel}:", f".text.{kernel}:"]
     addr = 0
     for line in body:
@@ -37,7 +39,12 @@ def _nvdisasm_text(kernel: str, body: list[str]) -> str:
             out.append(line)
             continue
         pred, _, rest = line.partition(" ") if line.startswith("@") else ("", "", line)
-        out.append(f"        /*{addr:04x}*/ {pred:>18} {rest} ;")
+        if stall is None:
+            out.append(f"        /*{addr:04x}*/ {pred:>18} {rest} ;")
+        else:
+            high = (0x3F << 46) | (1 << 45) | (stall(line) << 41) | 0x5C50  # no barriers, yield, stall
+            out.append(f"        /*{addr:04x}*/ {pred:>18} {rest} ;   /* 0x0000001e44447237 */")
+            out.append(f"                                           /* 0x{high:016x} */")
         addr += 0x10
     other = ["\t.section\t.text.other,\"ax\",@progbits", ".text.other:", "        /*0000*/ BRA `(.L_x_0) ;"]
     return "\n".join(out + other) + "\n"
@@ -57,6 +64,14 @@ def test_loops_and_walks_of_a_known_listing():
     assert outer.longest == 2 + 2 + 1 + 5 + 1 + 2 + 2 + 1  # partial stage and the divergence stub
     assert inner.per_iteration == inner.shortest == inner.longest == 2
     assert k.indirect == ()
+
+
+def test_stall_cycles_are_summed_along_the_steady_walk():
+    text = _nvdisasm_text("k", _LISTING, stall=lambda line: 7 if line.startswith("HMMA") else 3)
+    k = census_text(text, "k")
+    outer = k.main_loop()
+    assert outer.stall_cycles == 3 * (outer.per_iteration - 3) + 7 * 3  # its 3 HMMA stall 7, the rest 3
+    assert census_text(_nvdisasm_text("k", _LISTING), "k").main_loop().stall_cycles == 0  # no encoding
 
 
 def test_a_missing_kernel_is_named():
@@ -82,7 +97,10 @@ def test_the_decode_kernels_main_loop(decode_cubin):
     assert loop.count(("IMMA",)) == 8 and loop.count(("HMMA",)) == 16
     assert loop.count(("LDGSTS",)) > 0
     assert loop.shortest <= loop.per_iteration <= loop.longest
-    assert 64 <= k.registers <= 255 and k.local_memory_ops() == 0
+    assert loop.per_iteration <= loop.stall_cycles <= 15 * loop.per_iteration  # each stalls 1..15
+    # three CTAs of 128 threads per SM (the split plan's slots): Fp2KernelConfig.register_usage lets
+    # ptxas spend registers on its schedule, but not past that cliff
+    assert 64 <= k.registers <= 168 and k.local_memory_ops() == 0
 
 
 def test_registers_refuses_what_is_not_there(decode_cubin):
