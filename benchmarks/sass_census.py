@@ -1,7 +1,7 @@
 """The decode kernel's main loop as ptxas compiled it: instructions per stage, without a GPU.
 
     python benchmarks/sass_census.py [--json] [--configs default,fp16keys,token] [--opcodes]
-                                     [--set FIELD=VALUE ...]
+                                     [--set FIELD=VALUE ...] [--nvrtc LIBDIR]
     zerodram bench sass ...
 
 Compiles `attn_fp2_decode` through the package's own JIT (NVRTC, the cubin that runs), and counts
@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opcodes", action="store_true", help="also each config's steady walk by opcode")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override an Fp2KernelConfig field in every config (max_registers=168, stages=5)")
+    p.add_argument("--nvrtc", metavar="LIBDIR",
+                   help="compile with the NVRTC in LIBDIR (libnvrtc.so.13 and its builtins) instead of the one the "
+                        "package finds: count what another machine's NVRTC builds (the H200's is 13.0: "
+                        "pip download --no-deps nvidia-cuda-nvrtc==13.0.88, unpack, LIBDIR = nvidia/cu13/lib)")
     p.add_argument("--json", action="store_true", help="one JSON line per config")
 
 
@@ -96,9 +100,35 @@ def census_row(name: str, cfg, elements_per_stage: int):
     return row, loop.steady
 
 
-def run(args: argparse.Namespace) -> int:
-    from zerodram.kernels.attention import TOKENS_PER_STAGE
+def load_nvrtc(libdir: str) -> str:
+    """Load LIBDIR's NVRTC before cuda.bindings loads its own, so that every compile of this process
+    uses it (the JIT's cache key carries NVRTC's version); its version as "13.0"."""
+    import ctypes
+    import os
+    import sys
+    from pathlib import Path
+
     from zerodram.runtime.errors import ConfigError
+
+    if "cuda.bindings.nvrtc" in sys.modules:
+        raise ConfigError("--nvrtc: NVRTC is already loaded in this process")
+    d = Path(libdir)
+    builtins, lib = sorted(d.glob("libnvrtc-builtins.so.*")), d / "libnvrtc.so.13"
+    if not builtins or not lib.is_file():
+        raise ConfigError(f"--nvrtc {libdir}: want libnvrtc.so.13 and libnvrtc-builtins.so.* there")
+    ctypes.CDLL(str(builtins[0]), mode=os.RTLD_GLOBAL)  # libnvrtc finds its builtins by soname
+    ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerodram.runtime.errors import ConfigError
+
+    nvrtc = load_nvrtc(args.nvrtc) if args.nvrtc else None
+    from zerodram.kernels.attention import TOKENS_PER_STAGE
 
     known = configs()
     names = args.configs.split(",")
@@ -107,14 +137,15 @@ def run(args: argparse.Namespace) -> int:
     results = [census_row(n, override(known[n], args.set), TOKENS_PER_STAGE * known[n].head_dim * 2) for n in names]
     if args.json:
         for row, _ in results:
-            print(json.dumps({"bench": "sass_census", **asdict(row)}))
+            print(json.dumps({"bench": "sass_census", **asdict(row), **({"nvrtc": nvrtc} if nvrtc else {})}))
         return 0
     head = ("config", "/stage", "/8192", "ALU pipe", "MMA", "LDS", "copies", "shortest", "longest", "stalls", "regs",
             "spills")
     print(" ".join(f"{h:>9}" for h in head))
     for row, _ in results:
         print(" ".join(f"{v:>9}" for v in asdict(row).values()))
-    print("static counts of the main loop's steady walk, one warp's stage (kernels/sass.py); not a time")
+    print("static counts of the main loop's steady walk, one warp's stage (kernels/sass.py); not a time"
+          + (f"; NVRTC {nvrtc} from {args.nvrtc}" if nvrtc else ""))
     if args.opcodes:
         for row, steady in results:
             print(f"\n{row.config}: " + ", ".join(f"{op} {n}" for op, n in steady.most_common()))

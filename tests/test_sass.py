@@ -4,6 +4,7 @@ construction, then the real decode kernel's cubin (NVRTC and nvdisasm run withou
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench_cli import load_script, run_bench
@@ -121,6 +122,18 @@ def test_bench_sass_prints_a_json_line_per_config():
 def test_bench_sass_names_an_unknown_config():
     run = run_bench(["sass", "--configs", "default,nope"])
     assert run.returncode != 0 and "nope" in run.stderr
+
+
+def test_bench_sass_counts_with_another_nvrtc(tmp_path):
+    """--nvrtc LIBDIR: the package's own NVRTC folder loads and is named; a folder without one is refused."""
+    import cuda.pathfinder
+
+    libdir = str(Path(cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path).parent)
+    run = run_bench(["sass", "--json", "--configs", "default", "--nvrtc", libdir])
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["nvrtc"].count(".") == 1
+    run = run_bench(["sass", "--configs", "default", "--nvrtc", str(tmp_path)])
+    assert run.returncode != 0 and "libnvrtc.so.13" in run.stderr
 
 
 def test_bench_sass_overrides_config_fields():
