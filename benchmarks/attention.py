@@ -118,8 +118,10 @@ def _case(
         y = torch.randn(B * n_tok, HKV, 2, D, device=dev, generator=gen)
         s = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(n_tok)
         # write1: each sequence's newest FP2 token (what a decode step's append writes); flush32: the first 32
-        first = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
-        f = (batch.fp2_len - 1).clamp_min(0) if n_tok == 1 else first
+        if n_tok == 1:
+            f = (batch.fp2_len - 1).clamp_min(0)
+        else:
+            f = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat(B)
         row[f"{tag}_ms"] = median_ms(
             lambda y=y, s=s, f=f: writer.write(y, s, f, best_layer, batch.block_table), 10, flush
         )

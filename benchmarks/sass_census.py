@@ -11,8 +11,11 @@ measures per stage (docs/fp2-kernel.md, "Static counts", for how far the two agr
 walk's instructions, those per 8192 K/V elements, the ALU pipe's share (LOP3, PRMT, SHF, I2FP,
 FMNMX, F2FP: one warp instruction per two cycles, docs/fp2-kernel.md, "Issue costs"), MMAs,
 shared-memory loads, copies, the shortest and longest walks round the loop, ptxas's fixed stall
-cycles along the stage (the schedule, not only the count), registers and spilled loads and stores. A count, not a time: a change that lowers it still needs `bench attention` on a
-GPU, and the first config is the baseline the others are read against.
+cycles along the stage (the schedule, not only the count), registers and spilled loads and stores.
+A count, not a time: a change that lowers it still needs `bench attention` on a GPU, and the first
+config is the baseline the others are read against. `--nvrtc` counts what another NVRTC builds:
+the H200's 13.0 builds other code than newer ones (docs/fp2-kernel.md, "The schedule, not only the
+count").
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ loop, walks from its head round to a back edge: the steady walk (`Loop`) is a pi
 steady-state iteration. The counts are static, as a warp issues them: a predicated-off instruction
 counts (Nsight's "instructions executed" counts it too); a branch that diverges within a warp runs
 both sides, which no walk shows; calls (the compiler's slow paths for division) count as one
-instruction. For the committed decode kernel the steady walk gives 472 instructions per stage where
-Nsight Compute measured 474.5 (docs/fp2-kernel.md, "Static counts").
+instruction. For the committed decode kernel the steady walk of the H200's build (NVRTC 13.0) is 474
+instructions per stage where Nsight Compute measured 474.5 (NVRTC 13.5 builds 472: the census counts
+what the NVRTC it is given builds; docs/fp2-kernel.md, "Static counts").
 
 The count is not the whole schedule: ptxas also writes into each instruction's control bits how
 many cycles its warp stalls before issuing the next (fixed-latency dependences; variable-latency
