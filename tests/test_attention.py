@@ -248,6 +248,10 @@ def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
     torch.testing.assert_close(
         back, dequantize_blocks(codes, scales, None, lv).reshape(7, 2, 128), rtol=0, atol=0
     )
+    before = [t.clone() for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales)]
+    none = torch.zeros(0, dtype=torch.int32)
+    Fp2Writer(head_dim=128).write(y[:0], none, none, layer, batch.block_table)  # no token: nothing written
+    assert all(torch.equal(a, b) for a, b in zip(before, (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales), strict=True))
 
 
 @pytest.mark.parametrize("scale", ["e4m3", "e8m0"])

@@ -67,6 +67,8 @@ class Fp2Writer:
         expect_input(fp2_idx, "fp2_idx", torch.int32, (N,), self.device)
         if layer.v_layout != self.v_layout:
             raise KVInputError(f"value pages in the {layer.v_layout!r} layout, the writer stores {self.v_layout!r}")
+        if N == 0:
+            return
         if self.on_gpu:
             rules = int(self.rules[0] == "mse") | (int(self.rules[1] == "mse") << 1)
             self.kernels.write(
