@@ -14,7 +14,9 @@ the merge included; the [D, D] rotations of q and the output are not, see docs/b
 enable_gqa=True)` on contiguous [B, H, L, D] tensors (no paging). torch has no FP8-KV attention
 path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel: one token per
 sequence (decode append) and a 32-token tail flush per sequence, alone, and the append's added
-time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees).
+time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
+and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
+window, the leaving row rounded with error feedback into its page, kernels/kv_write.py).
 """
 
 from __future__ import annotations
@@ -138,6 +140,16 @@ def _case(
                 flush,
             )
             row["write1_added_ms"] = max(0.0, both - row["fp2_ms"])
+            # The engine's own append (DEFAULT_FP2: a 47-row bf16 window, the leaving row rounded
+            # with error feedback): kernels/kv_write.py's kernel on the same pools, every row flushing
+            ewrite = _engine_write(B, best_layer, batch, gen)
+            row["ewrite1_ms"] = median_ms(ewrite, 10, flush)
+            both = median_ms(
+                lambda ewrite=ewrite: (ewrite(), best(q, best_layer, batch, max_len=L, num_splits=best_forced)),
+                args.reps,
+                flush,
+            )
+            row["ewrite1_added_ms"] = max(0.0, both - row["fp2_ms"])
     if not args.no_fp16:
         k = torch.randn(B, HKV, L + HP, D, device=dev, dtype=torch.float16, generator=gen)
         v = torch.randn_like(k)
@@ -148,6 +160,37 @@ def _case(
         del k, v
     torch.cuda.empty_cache()
     return row
+
+
+def _engine_write(B: int, layer, batch, gen):
+    """A call of the engine's decode write (kernels/kv_write.py, what `Fp2KVCache.write_decode_static`
+    launches) for B sequences in DEFAULT_FP2's shape: 4 sinks, a 47-row window, error feedback on
+    both sides (a random factor: the values do not change the work), MSE scales, every row flushing
+    its oldest tail token into the last FP2 slot of its sequence's pages (the layer's pools)."""
+    import torch
+
+    from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
+    from zerodram.runtime.kv.quantize import MSE_FRACTIONS
+
+    dev, sinks, window = layer.k_codes.device, 4, 47
+    write = Fp2DecodeWrite(
+        DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], "e4m3",
+                          v_quad=layer.v_layout == "quad"),
+        ("mse", "mse"), MSE_FRACTIONS, dev,
+    )  # fmt: skip
+    hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
+    y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
+    eye = torch.eye(D, device=dev)
+    rows = [eye + 0.1 * torch.randn(HKV, D, D, device=dev, generator=gen).triu(1) for _ in range(2)]  # [H, D, D]
+    f = (batch.fp2_len[:B].long() - 1).clamp_min(0)
+    page = batch.block_table[:B].long().gather(1, (f // P)[:, None])[:, 0]
+    ones = torch.ones(B, dtype=torch.long, device=dev)
+    # StaticDecodeIndex's rows: slot b, the arriving row S + W, flush, the page and page row written
+    index = torch.stack([torch.arange(B, device=dev), ones * (sinks + window), ones, page, f % P]).contiguous()
+    return lambda: write(
+        y[0], y[1], index, hp[0], hp[1], layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales,
+        layer.levels[:4], layer.levels[4:], rows[0], rows[1], sinks, window,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     nan = float("nan")
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
-        f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10}"
+        f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
     )
     for r in rows:
         print(
@@ -196,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
+            f" {1e3 * r['ewrite1_added_ms']:>11.1f}"
         )
     return 0
 
