@@ -140,8 +140,8 @@ def _case(
                 flush,
             )
             row["write1_added_ms"] = max(0.0, both - row["fp2_ms"])
-            # The engine's own append (DEFAULT_FP2: a 47-row bf16 window, the leaving row rounded
-            # with error feedback): kernels/kv_write.py's kernel on the same pools, every row flushing
+            # The engine's own append (DEFAULT_FP2: a bf16 window, the leaving row rounded with
+            # error feedback): kernels/kv_write.py's kernel on the same pools, every row flushing
             ewrite = _engine_write(B, best_layer, batch, gen)
             row["ewrite1_ms"] = median_ms(ewrite, 10, flush)
             both = median_ms(
@@ -164,19 +164,21 @@ def _case(
 
 def _engine_write(B: int, layer, batch, gen):
     """A call of the engine's decode write (kernels/kv_write.py, what `Fp2KVCache.write_decode_static`
-    launches) for B sequences in DEFAULT_FP2's shape: 4 sinks, a 47-row window, error feedback on
-    both sides (a random factor: the values do not change the work), MSE scales, every row flushing
-    its oldest tail token into the last FP2 slot of its sequence's pages (the layer's pools)."""
+    launches) for B sequences in DEFAULT_FP2's shape (its sinks, window, scale dtype and rules; error
+    feedback on both sides with a random factor: the values do not change the work), every row
+    flushing its oldest tail token into the last FP2 slot of its sequence's pages (the layer's pools)."""
     import torch
 
     from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
+    from zerodram.runtime.kv.format import DEFAULT_FP2, parse_kv_spec
     from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
-    dev, sinks, window = layer.k_codes.device, 4, 47
+    spec = parse_kv_spec(DEFAULT_FP2).spec
+    dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
     write = Fp2DecodeWrite(
-        DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], "e4m3",
+        DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], spec.k.scale_dtype,
                           v_quad=layer.v_layout == "quad"),
-        ("mse", "mse"), MSE_FRACTIONS, dev,
+        (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev,
     )  # fmt: skip
     hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
     y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
