@@ -46,9 +46,8 @@ class Fp2KernelConfig:
     # schedule. At 6..10 the device's NVRTC 13.0 gives the decode's main loop 159 registers (3 CTAs
     # per SM still fit) and a schedule with 829 fixed stall cycles a stage against 896 at 5, the same
     # 474 instructions and the same floating-point and MMA instructions in the whole kernel; measured
-    # 2-3% faster at L = 128k (docs/benchmarks.md, 2026-12-05). It stays 5 until the GPU tests have
-    # run at 8 (no device was lent after that A/B).
-    register_usage: int = 5
+    # 2-3% faster at L = 128k (docs/benchmarks.md, 2026-12-05).
+    register_usage: int = 8
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
 
     def defines(self) -> dict[str, int]:
