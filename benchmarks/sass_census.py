@@ -25,8 +25,9 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from zerodram.kernels.sass import MMA_OPS as MMA
+
 ALU_PIPE = ("LOP3", "PRMT", "SHF", "I2FP", "FMNMX", "F2FP")  # measured at half the issue rate
-MMA = ("HMMA", "IMMA", "HGMMA", "IGMMA", "QGMMA")
 SHARED_LOADS = ("LDS", "LDSM")
 
 

@@ -63,6 +63,9 @@ class Instr:
         return self.opcode.split(".", 1)[0]
 
 
+MMA_OPS = ("HMMA", "IMMA", "HGMMA", "IGMMA", "QGMMA")  # tensor-core instructions
+
+
 @dataclass(frozen=True)
 class Block:
     first: int  # index into KernelSass.instrs
@@ -108,11 +111,18 @@ class KernelSass:
     indirect: tuple[int, ...]  # addresses of indirect branches
 
     def main_loop(self) -> Loop:
-        """The outermost loop with the most instructions per iteration."""
-        outer = [lp for lp in self.loops if lp.depth == 0]
-        if not outer:
+        """The loop whose steady walk holds the most tensor-core instructions (`MMA_OPS`), the
+        innermost on a tie: an outer loop's walk takes its inner loops once, so a kernel whose stage
+        loop runs inside a loop over chunks of stages (attn_fp2_decode) ties it, and the stage loop is
+        the one to count. Without MMAs, the outermost loop with the most instructions per iteration."""
+        if not self.loops:
             raise SassError(f"{self.name} has no loop")
-        return max(outer, key=lambda lp: lp.per_iteration)
+
+        def rank(lp: Loop) -> tuple[int, int, int]:
+            mma = lp.count(MMA_OPS)
+            return mma, lp.depth if mma else -lp.depth, lp.per_iteration
+
+        return max(self.loops, key=rank)
 
     def local_memory_ops(self) -> int:
         """LDL / STL in the whole kernel: register spills (the kernels use no local arrays)."""

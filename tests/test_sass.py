@@ -75,6 +75,29 @@ def test_stall_cycles_are_summed_along_the_steady_walk():
     assert census_text(_nvdisasm_text("k", _LISTING), "k").main_loop().stall_cycles == 0  # no encoding
 
 
+# A stage loop inside a loop over chunks of stages (attn_fp2_decode's pieces): the outer loop's walk
+# takes the inner once, so both hold the same MMAs, and the inner one is the stage.
+_PIECES = [
+    "S2R R0, SR_TID.X",
+    ".L_x_0:", "SHFL.IDX R5, R4, R0, 0x1f", "LDG.E R4, desc[UR4][R8.64]",
+    ".L_x_1:", "DEPBAR.LE SB0, 0x2", "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R6.64]",
+    "HMMA.16816.F32 R8, R12, R14, R8", "HMMA.16816.F32 R8, R12, R14, R8", "@P1 BRA `(.L_x_1)",
+    "@P2 BRA `(.L_x_0)",
+    ".L_x_2:", *["FADD R1, R1, R2"] * 5, "@P3 BRA `(.L_x_2)",
+    "EXIT",
+]
+
+
+def test_the_main_loop_is_the_innermost_of_those_with_the_most_mmas():
+    k = census_text(_nvdisasm_text("k", _PIECES), "k")
+    pieces, stage = sorted((lp for lp in k.loops if lp.count(("HMMA",))), key=lambda lp: lp.depth)
+    assert (pieces.depth, stage.depth) == (0, 1)
+    assert pieces.count(("HMMA",)) == stage.count(("HMMA",)) == 2
+    assert k.main_loop() is stage and stage.per_iteration == 5
+    # a longer loop without MMAs (6 instructions) is not the main loop
+    assert max(lp.per_iteration for lp in k.loops if not lp.count(("HMMA",))) == 6
+
+
 def test_a_missing_kernel_is_named():
     with pytest.raises(SassError, match="'nope'"):
         census_text(_nvdisasm_text("k", _LISTING), "nope")

@@ -73,6 +73,15 @@ ZD_DEVICE void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// The same copy of a whole 16-byte chunk, issued only if `pred` (a predicated instruction, no
+// branch).
+ZD_DEVICE void cp_async16_if(bool pred, uint32_t dst, const void* src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.cg.shared.global [%1], [%2], 16;\n}" ::"r"(
+          int(pred)),
+      "r"(dst), "l"(src)
+      : "memory");
+}
 ZD_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 ZD_DEVICE void cp_async_wait() {

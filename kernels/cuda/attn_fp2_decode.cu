@@ -264,26 +264,22 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
   };
   uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
-  // Issue the copies of the warp's local stage j (global stage warp + j * NUM_WARPS) into `slot`.
-  // Called by the whole warp with the same j, in increasing order (the row chunks advance here).
+  // The warp's local stages: j = 0 .. my_stages - 1 is global stage warp + j * NUM_WARPS.
+  const uint32_t my_stages = num_stages > warp ? uint32_t(num_stages - warp + NUM_WARPS - 1) / NUM_WARPS : 0u;
+  // Issue the copies of local stage j into `slot` (none past the warp's last stage: the copies are
+  // predicated). Its pool row is lane j % 32 of rows_cur: the caller keeps j inside the current chunk.
   // The pools are dense, so a stage's four runs start at its pool row times the row's words or
   // bytes: one wide multiply-add onto the lane's fixed pointer per run.
   const CopyPlan plan = copy_plan(lane);
   const uint32_t ring_addr = smem_addr(ring);
-  const uint32_t* kc_lane = pinned(k_codes + 4 * lane);
+  const uint32_t* kc_lane = pinned(k_codes + 4 * k_source_chunk(lane));
   const uint32_t* vc_lane = pinned(v_codes + 4 * lane);
   const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
   const uint8_t* vs_lane = pinned(v_scales + 16 * lane);
-  auto issue = [&](int j, int slot) {
-    if (j > 0 && (j & 31) == 0) {
-      rows_cur = rows_next;
-      rows_next = load_rows((j >> 5) + 1);
-    }
+  auto issue = [&](uint32_t j, uint32_t slot) {
     const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, j & 31);
-    if (warp + j * NUM_WARPS < num_stages) {
-      load_stage(ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, kc_lane + size_t(row) * WPR,
-                 vc_lane + size_t(row) * WPR, ks_lane + size_t(row) * NBK, vs_lane + size_t(row) * NBV);
-    }
+    load_stage(j < my_stages, ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, kc_lane + size_t(row) * WPR,
+               vc_lane + size_t(row) * WPR, ks_lane + size_t(row) * NBK, vs_lane + size_t(row) * NBV);
     cp_async_commit();  // empty groups keep the wait count uniform
   };
 
@@ -291,25 +287,37 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
 
-  // Warp w handles stages w, w + NUM_WARPS, ...; its k-th stage sits in ring slot k % STAGES.
-  static_assert(STAGES <= 32, "the prologue stays inside the first page chunk");
+  // A stage is full (no token outside [lo, r_hi)) iff its first token f0 has 0 <= f0 - lo <=
+  // r_hi - TOK - lo: one unsigned compare against full_n (0: no full stage).
+  const uint32_t full_n = uint32_t(max(r_hi - TOK - lo + 1, 0));
+  // Local stage k sits in ring slot k % STAGES. The prologue fills slots 0 .. STAGES - 2 from chunk
+  // 0; then stage k is computed while stage k + STAGES - 1 is issued. The loop runs in pieces: piece
+  // c computes the stages whose issue falls in chunk c (k + STAGES - 1 < 32 (c + 1)), so the row
+  // chunks advance between pieces rather than by a test at every stage.
+  static_assert(STAGES <= 32, "the prologue stays inside the first row chunk");
 #pragma unroll
-  for (int k = 0; k < STAGES - 1; ++k) issue(k, k);
-  int k = 0;
-  for (int si = warp; si < num_stages; si += NUM_WARPS, ++k) {
-    cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
-    __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
-    if (k == 0) ZD_STAMP(1, globaltimer());
-    issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
-    const Stage* st = ring + k % STAGES;
-    const int f0 = r_lo + si * TOK;
-    if (f0 >= lo && f0 + TOK <= r_hi) {
-      compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
-    } else {
-      const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
-      const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
-      compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
+  for (uint32_t k = 0; k < STAGES - 1; ++k) issue(k, k);
+  uint32_t k = 0;
+  for (uint32_t chunk_end = 32;; chunk_end += 32) {
+    const uint32_t piece_end = min(my_stages, chunk_end - (STAGES - 1));
+    for (; k < piece_end; ++k) {
+      cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
+      __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
+      if (k == 0) ZD_STAMP(1, globaltimer());
+      issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
+      const Stage* st = ring + k % STAGES;
+      const int f0 = r_lo + int(warp + k * NUM_WARPS) * TOK;
+      if (uint32_t(f0 - lo) < full_n) {
+        compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
+      } else {
+        const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
+        const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
+        compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
+      }
     }
+    if (k >= my_stages) break;
+    rows_cur = rows_next;  // the next piece's issues are in the next chunk
+    rows_next = load_rows(chunk_end / 32 + 1);
   }
   cp_async_wait<0>();
   ZD_STAMP(2, globaltimer());

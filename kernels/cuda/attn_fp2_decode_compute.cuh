@@ -78,12 +78,11 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     uint32_t a[2][WPJ][4];  // [row half][word][register], expand_word_bytes' order
+    const uint32_t* kc = st->kc + 4 * g + t;  // lane-major run (k_source_chunk): + 32 words a chunk
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int tok = 16 * i + tok_of_row(g + 8 * r);
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int j = 0; j < WPJ; ++j) expand_word_bytes(st->kc[k_word(tok, 4 * j + t)], key.table, a[r][j]);
-    }
+      for (int j = 0; j < WPJ; ++j) expand_word_bytes(kc[32 * (j + WPJ * (r + 2 * i))], key.table, a[r][j]);
     int acc[NBK][NTERM][4];  // partial dot products per key scale block and query term
 #pragma unroll
     for (int b = 0; b < NBK; ++b)
@@ -101,7 +100,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
       float sc[NBK];
-      key_scales(st->ks + (16 * i + tok_of_row(g + 8 * r)) * NBK, key.term, sc);
+      key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
       // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
       if constexpr (kPairTerms) {
         // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
@@ -134,7 +133,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       for (int c = 0; c < 4; ++c) sacc[i][c] += __shfl_xor_sync(0xffffffffu, sacc[i][c], 2);  // hi + lo
     }
     if constexpr (PARTIAL) {
-      const int tok0 = 16 * i + tok_of_row(g), tok1 = 16 * i + tok_of_row(g + 8);
+      const int tok0 = tok_of_row(g) + 16 * i, tok1 = tok0 + kRowStep8;
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
       if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
     }
@@ -145,7 +144,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     uint32_t a[NKS][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int tok = 16 * i + tok_of_row(g + 8 * r);
+      const int tok = tok_of_row(g) + 16 * i + kRowStep8 * r;
       const uint32_t sbyte = st->ks[tok * NBK + (16 * t * WPL) / K_BLOCK];
       const __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(sbyte * 0x0101u));
       const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(key.kl01), s2));
@@ -167,7 +166,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) mma_f16(sacc[i], a[ks], key.qf[ks][0], key.qf[ks][1]);
     if constexpr (PARTIAL) {
-      const int tok0 = 16 * i + tok_of_row(g), tok1 = 16 * i + tok_of_row(g + 8);
+      const int tok0 = tok_of_row(g) + 16 * i, tok1 = tok0 + kRowStep8;
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
       if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
     }
@@ -240,8 +239,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   for (int i = 0; i < NT; ++i) {
     const int q = 4 * i + t;  // the lane's quad in the stage
     uint32_t qs[NBV];         // the quad's scale bytes: token j, block b at byte j * NBV + b
+    // offsets written as the lane's part plus tile i's, which then is an immediate
 #pragma unroll
-    for (int x = 0; x < NBV; ++x) qs[x] = reinterpret_cast<const uint32_t*>(st->vs + q * 4 * NBV)[x];
+    for (int x = 0; x < NBV; ++x) qs[x] = reinterpret_cast<const uint32_t*>(st->vs + 4 * NBV * t + 16 * NBV * i)[x];
     uint32_t pv[NBV][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -269,10 +269,10 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     }
     uint32_t w[D / 32];  // the lane's words of the quad (chunk moved by v_chunk)
     if constexpr (D == 128) {
-      const uint4 x = *reinterpret_cast<const uint4*>(st->vc + 4 * ((q << 3) | (g ^ (2 * t))));
+      const uint4 x = *reinterpret_cast<const uint4*>(st->vc + 4 * (8 * t + (g ^ (2 * t))) + 128 * i);  // chunk 8q + (g ^ 2t)
       w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
     } else {
-      const uint2 x = *reinterpret_cast<const uint2*>(st->vc + 4 * ((q << 2) | ((g >> 1) ^ (t & 2))) + 2 * (g & 1));
+      const uint2 x = *reinterpret_cast<const uint2*>(st->vc + 4 * (4 * t + ((g >> 1) ^ (t & 2))) + 2 * (g & 1) + 64 * i);
       w[0] = x.x, w[1] = x.y;
     }
 #pragma unroll
