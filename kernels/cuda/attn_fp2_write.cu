@@ -69,6 +69,12 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   const int bs = side == 0 ? K_BLOCK : V_BLOCK, nb = D / bs;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (warp >= nb) return;
+  // The destination first: its two dependent loads (the token's sequence and slot, then the block
+  // table) then overlap the scale search instead of following it (__syncwarp below keeps the
+  // compiler from hoisting them itself).
+  const int b = seq_idx[n], f = fp2_idx[n];
+  const long long page = block_table[size_t(b) * bt_stride + f / page_size];
+  const int j = f % page_size;
   const float* lv = levels + 4 * side;
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = (l0 + l1) * 0.5f, m1 = (l1 + l2) * 0.5f, m2 = (l2 + l3) * 0.5f;
@@ -126,9 +132,6 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   }
   __syncwarp();
 
-  const int b = seq_idx[n], f = fp2_idx[n];
-  const long long page = block_table[size_t(b) * bt_stride + f / page_size];
-  const int j = f % page_size;
   uint32_t* codes = side == 0 ? k_codes : v_codes;
   uint8_t* scales = side == 0 ? k_scales : v_scales;
   const long long sp = side == 0 ? ks_page_stride : vs_page_stride;
