@@ -48,6 +48,9 @@ class Fp2KernelConfig:
     # 474 instructions and the same floating-point and MMA instructions in the whole kernel; measured
     # 2-3% faster at L = 128k (docs/benchmarks.md, 2026-12-05).
     register_usage: int = 8
+    # With int8 keys and G <= 4 (paired query terms), each lane half runs one tile's softmax instead
+    # of both halves running both (attn_fp2_decode_compute.cuh, kHalf); no effect otherwise.
+    half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
 
     def defines(self) -> dict[str, int]:
@@ -62,6 +65,7 @@ class Fp2KernelConfig:
             "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
             "V_QUAD": int(self.v_quad),
+            "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
         }
 

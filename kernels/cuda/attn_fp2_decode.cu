@@ -59,6 +59,9 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
+#ifndef HALF_SOFTMAX
+#define HALF_SOFTMAX 0  // 1: with paired query terms, each lane half runs one tile's softmax (compute.cuh)
+#endif
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
 #endif
@@ -357,8 +360,13 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = ex2(red_m[w * 8 + head] - mx);  // 0 for warps that saw no stage
-      o += wt * red_o[(w * 8 + head) * D + ch];
-      l += wt * red_l[w * 8 + head];
+      if constexpr (kHalf) {  // columns head and head + 4: the warp's tiles 0 and 1, one max
+        o += wt * (red_o[(w * 8 + head) * D + ch] + red_o[(w * 8 + head + 4) * D + ch]);
+        l += wt * (red_l[w * 8 + head] + red_l[w * 8 + head + 4]);
+      } else {
+        o += wt * red_o[(w * 8 + head) * D + ch];
+        l += wt * red_l[w * 8 + head];
+      }
     }
     const size_t slot = (size_t(blockIdx.x / num_splits) * GROUP + head) * max_splits + blockIdx.x % num_splits;
     o_part[slot * D + ch] = o;

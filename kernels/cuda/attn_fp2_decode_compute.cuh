@@ -11,6 +11,15 @@ using namespace zd;
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
 constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query terms in one IMMA (below)
+// Half softmax (HALF_SOFTMAX, with kPairTerms): lanes t and t ^ 2 hold the same heads, so instead of
+// both running the softmax of both tiles, lane t < 2 takes tile 0 and lane t >= 2 tile 1. The hi + lo
+// exchange sends the partner the tile it takes (one shuffle per score instead of two). After the
+// transposes, lane (g, t)'s P^T column g is tile g / 4's (columns 4..7: heads 0..3 of tile 1), so
+// the output MMA of tile i takes the columns of tile i and zeros for the others: output columns
+// 0..3 accumulate tile 0, columns 4..7 tile 1, under the same running max (the rescale's max spans
+// both halves), and the CTA's combine adds column h + 4 to column h.
+constexpr bool kHalf = kPairTerms && HALF_SOFTMAX;
+constexpr int NS = kHalf ? 1 : NT;  // score tiles of one lane's softmax
 #if KEY_S8
 // Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
@@ -128,11 +137,11 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         }
       }
     }
-    if constexpr (kPairTerms) {
+    if constexpr (kPairTerms && !kHalf) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) sacc[i][c] += __shfl_xor_sync(0xffffffffu, sacc[i][c], 2);  // hi + lo
     }
-    if constexpr (PARTIAL) {
+    if constexpr (PARTIAL) {  // kHalf: both terms masked before they are added (-inf + -inf)
       const int tok0 = tok_of_row(g) + 16 * i, tok1 = tok0 + kRowStep8;
       if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
       if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
@@ -188,17 +197,30 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #else
   constexpr float u[2] = {1.f, 1.f};
 #endif
-  float mx[2] = {fmaxf(sacc[0][0], sacc[0][2]), fmaxf(sacc[0][1], sacc[0][3])};
+  // The scores of the lane's softmax: both tiles, or (kHalf) its own tile, hi + lo.
+  float ss[NS][4];
 #pragma unroll
-  for (int i = 1; i < NT; ++i) {
-    mx[0] = fmaxf(mx[0], fmaxf(sacc[i][0], sacc[i][2]));
-    mx[1] = fmaxf(mx[1], fmaxf(sacc[i][1], sacc[i][3]));
+  for (int c = 0; c < 4; ++c) {
+    if constexpr (kHalf) {
+      const bool upper = t >= 2;  // this lane takes tile 1, its partner t ^ 2 tile 0
+      const float keep = upper ? sacc[1][c] : sacc[0][c], send = upper ? sacc[0][c] : sacc[1][c];
+      ss[0][c] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NS; ++i) ss[i][c] = sacc[i][c];
+    }
+  }
+  float mx[2] = {fmaxf(ss[0][0], ss[0][2]), fmaxf(ss[0][1], ss[0][3])};
+#pragma unroll
+  for (int i = 1; i < NS; ++i) {
+    mx[0] = fmaxf(mx[0], fmaxf(ss[i][0], ss[i][2]));
+    mx[1] = fmaxf(mx[1], fmaxf(ss[i][1], ss[i][3]));
   }
   // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
   // from then on.
   if (__any_sync(0xffffffffu, mx[0] * u[0] > sm.m[0] + kRescaleSlack || mx[1] * u[1] > sm.m[1] + kRescaleSlack)) {
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
+    for (int off = kHalf ? 2 : 4; off < 32; off <<= 1) {  // kHalf: the partner's tile too
       mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
       mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
     }
@@ -216,11 +238,11 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     sm.m[0] = m0;
     sm.m[1] = m1;
   }
-  uint32_t pb[NT][2];
+  uint32_t pb[NS][2];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const float p0 = ex2(fmaf(sacc[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(sacc[i][1], u[1], -sm.m[1]));
-    const float p2 = ex2(fmaf(sacc[i][2], u[0], -sm.m[0])), p3 = ex2(fmaf(sacc[i][3], u[1], -sm.m[1]));
+  for (int i = 0; i < NS; ++i) {
+    const float p0 = ex2(fmaf(ss[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(ss[i][1], u[1], -sm.m[1]));
+    const float p2 = ex2(fmaf(ss[i][2], u[0], -sm.m[0])), p3 = ex2(fmaf(ss[i][3], u[1], -sm.m[1]));
     sm.l[0] += p0 + p2;
     sm.l[1] += p1 + p3;
     pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 2t, 2t+1][head g]
@@ -235,14 +257,12 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // scales ride on P^T instead: pb[i][h] holds P^T at tokens 4t + 2h, 4t + 2h + 1 of the tile for
   // head g, times each value block's scales of those tokens (one HMUL2 per block and register);
   // M-tile m takes block 16m / V_BLOCK's copy.
+  // pv[b][h]: P^T pair h of quad q times value block b's scales of its two tokens. The scale bytes
+  // of quad q start at byte 4 NBV q of the stage's run (token j, block b at byte j * NBV + b).
+  auto scaled_p = [&](const uint8_t* qbytes, int q, const uint32_t (&p)[2], uint32_t (&pv)[NBV][2]) {
+    uint32_t qs[NBV];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int q = 4 * i + t;  // the lane's quad in the stage
-    uint32_t qs[NBV];         // the quad's scale bytes: token j, block b at byte j * NBV + b
-    // offsets written as the lane's part plus tile i's, which then is an immediate
-#pragma unroll
-    for (int x = 0; x < NBV; ++x) qs[x] = reinterpret_cast<const uint32_t*>(st->vs + 4 * NBV * t + 16 * NBV * i)[x];
-    uint32_t pv[NBV][2];
+    for (int x = 0; x < NBV; ++x) qs[x] = reinterpret_cast<const uint32_t*>(qbytes)[x];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t keep = 0xffffffffu;
@@ -255,17 +275,31 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         // qs[h] holds tokens 2h, 2h + 1 (bytes 0-1, 2-3); one permute pairs them per block and
         // the two conversions read its halves
         const uint32_t both = prmt(qs[h], 0u, 0x3120);
-        pv[0][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(e4m3x2_lo(both) & keep)));
-        pv[1][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(e4m3x2_hi(both) & keep)));
+        pv[0][h] = h2_as_u32(__hmul2(u32_as_h2(p[h]), u32_as_h2(e4m3x2_lo(both) & keep)));
+        pv[1][h] = h2_as_u32(__hmul2(u32_as_h2(p[h]), u32_as_h2(e4m3x2_hi(both) & keep)));
       } else {
 #pragma unroll
         for (int b = 0; b < NBV; ++b) {
           const int i0 = 2 * h * NBV + b, i1 = i0 + NBV;  // bytes of tokens 2h, 2h + 1 of the quad
           const uint32_t pair = prmt(qs[i0 >> 2], qs[i1 >> 2], (i0 & 3) | (((i1 & 3) + 4) << 4));
           const uint32_t s2 = value_scales_to_half2<SCALE_FMT>(pair) & keep;
-          pv[b][h] = h2_as_u32(__hmul2(u32_as_h2(pb[i][h]), u32_as_h2(s2)));
+          pv[b][h] = h2_as_u32(__hmul2(u32_as_h2(p[h]), u32_as_h2(s2)));
         }
       }
+    }
+  };
+  uint32_t pv_half[NBV][2];  // kHalf: the lane's column is tile g / 4's, scaled once
+  if constexpr (kHalf) scaled_p(st->vs + 4 * NBV * t + 16 * NBV * (g >> 2), 4 * (g >> 2) + t, pb[0], pv_half);
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    uint32_t pv[NBV][2];
+    if constexpr (kHalf) {
+      const uint32_t mine = (g >> 2) == i ? 0xffffffffu : 0u;  // tile i's columns; zeros for the other's
+#pragma unroll
+      for (int b = 0; b < NBV; ++b) pv[b][0] = pv_half[b][0] & mine, pv[b][1] = pv_half[b][1] & mine;
+    } else {
+      // offsets written as the lane's part plus tile i's, which then is an immediate
+      scaled_p(st->vs + 4 * NBV * t + 16 * NBV * i, 4 * i + t, pb[i], pv);
     }
     uint32_t w[D / 32];  // the lane's words of the quad (chunk moved by v_chunk)
     if constexpr (D == 128) {
@@ -294,6 +328,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
+    uint32_t pt[2];  // P^T of tile i (kHalf: the lane's column if it is tile i's, else zeros)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pt[h] = kHalf ? (pb[0][h] & ((g >> 2) == i ? 0xffffffffu : 0u)) : pb[kHalf ? 0 : i][h];
     // Lane (g, t) feeds token pairs at positions (2t, 2t+1) and (2t+8, 2t+9).
     uint32_t v[2][2][8];  // [pair][half r][m-tile % 8 mapping] expanded, scaled half2 (tokA, tokB)
 #pragma unroll
@@ -343,7 +380,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         a[2] = v[1][0][m];
         a[3] = v[1][1][m];
       }
-      mma_f16(oacc[m], a, pb[i][0], pb[i][1]);
+      mma_f16(oacc[m], a, pt[0], pt[1]);
     }
   }
 #endif
