@@ -165,11 +165,13 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int split = blockIdx.x % num_splits;
   const int r_lo = base + split * split_tokens;
   const int r_hi = min(hi, r_lo + split_tokens);
-  if (r_lo >= r_hi || lo >= hi) {  // not counted: split >= n_run
-    ZD_STAMP(6, 0);
-    return;
-  }
-  const int num_stages = (r_hi - r_lo + TOK - 1) / TOK;
+  // The prologue's dependent loads. The query and the levels do not depend on the range, so they
+  // are read before the test of an empty split: after it they waited for fp2_lo / hi, and the
+  // levels for the query's shuffles, five round trips to memory before the first copy landed
+  // (range, query, levels, block table, copies); now four (ptxas still issues the range after the
+  // query's first use).
+  const bool no_work = r_lo >= r_hi || lo >= hi;  // not counted: split >= n_run
+  const int num_stages = no_work ? 0 : (r_hi - r_lo + TOK - 1) / TOK;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -177,6 +179,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
   // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels in the permuted
   // K order.
+  float lv[8];  // 4 key levels, then 4 value levels
+#pragma unroll
+  for (int i = 0; i < 8; ++i) lv[i] = levels[i];
   KeyOps key;
   Softmax sm;  // the query block below sets its inv (KEY_S8)
   sm.m[0] = sm.m[1] = ZD_NEG_INF;
@@ -206,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     // stay normal fp32 (a head below 2^-100 rounds to zero terms: it adds nothing to any score)
     const int ex = mx > 0.f ? min(max(int((__float_as_uint(mx) >> 23) & 0xFFu) - 127, -100), 100) : 0;
     const float c = __uint_as_float(uint32_t(127 + 5 - ex) << 23);
-    const bool wide = fmaxf(fabsf(levels[0]), fabsf(levels[3])) >= 2.f;  // f = 32 instead of 64
+    const bool wide = fmaxf(fabsf(lv[0]), fabsf(lv[3])) >= 2.f;  // f = 32 instead of 64
     const float f = wide ? 32.f : 64.f;
     const float inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c f 128)
     // score column 2t + h's head: lanes 4 * head hold its c (kPairTerms: column 2t + h is head
@@ -234,8 +239,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           key.qf[ks][NTERM - 1][hl] = wlo;
         }
       }
-    key.table = s8_byte(levels[0] * f) | (s8_byte(levels[1] * f) << 8) | (s8_byte(levels[2] * f) << 16) |
-                (s8_byte(levels[3] * f) << 24);
+    key.table = s8_byte(lv[0] * f) | (s8_byte(lv[1] * f) << 8) | (s8_byte(lv[2] * f) << 16) |
+                (s8_byte(lv[3] * f) << 24);
 #else
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
@@ -246,12 +251,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
         key.qf[ks][hl] = pack_half2(x0, x1);
       }
     }
-    key.kl01 = pack_half2(levels[0], levels[1]);
-    key.kl23 = pack_half2(levels[2], levels[3]);
+    key.kl01 = pack_half2(lv[0], lv[1]);
+    key.kl23 = pack_half2(lv[2], lv[3]);
 #endif
   }
   // Value levels as the high bytes of their fp16 (e5m2-exact by the format).
-  const uint32_t vl01 = pack_half2(levels[4], levels[5]), vl23 = pack_half2(levels[6], levels[7]);
+  const uint32_t vl01 = pack_half2(lv[4], lv[5]), vl23 = pack_half2(lv[6], lv[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
   // Pool rows of the warp's stages, prefetched 32 stages at a time: lane l of `rows_cur` holds the
@@ -267,6 +272,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
   };
   uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
+  if (no_work) {  // the whole CTA: nothing above waits on another warp
+    ZD_STAMP(6, 0);
+    return;
+  }
   // The warp's local stages: j = 0 .. my_stages - 1 is global stage warp + j * NUM_WARPS.
   const uint32_t my_stages = num_stages > warp ? uint32_t(num_stages - warp + NUM_WARPS - 1) / NUM_WARPS : 0u;
   // Issue the copies of local stage j into `slot` (none past the warp's last stage: the copies are
