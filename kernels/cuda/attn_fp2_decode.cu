@@ -165,11 +165,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int split = blockIdx.x % num_splits;
   const int r_lo = base + split * split_tokens;
   const int r_hi = min(hi, r_lo + split_tokens);
-  // The prologue's dependent loads. The query and the levels do not depend on the range, so they
-  // are read before the test of an empty split: after it they waited for fp2_lo / hi, and the
-  // levels for the query's shuffles, five round trips to memory before the first copy landed
-  // (range, query, levels, block table, copies); now four (ptxas still issues the range after the
-  // query's first use).
+  // The prologue's dependent loads: (fp2_lo / hi, the query, the levels) -> the block table's pool
+  // rows -> the first stages' copies, three round trips to memory before the first stage is
+  // computed. The query and the levels do not depend on the range, so they are read raw before
+  // anything waits for it, and the test of an empty split comes after the block-table prefetch.
+  // (Before, the query waited for the range, the levels for the query's shuffles and the table
+  // for both: five round trips, by the SASS order.)
   const bool no_work = r_lo >= r_hi || lo >= hi;  // not counted: split >= n_run
   const int num_stages = no_work ? 0 : (r_hi - r_lo + TOK - 1) / TOK;
 
@@ -182,14 +183,47 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   float lv[8];  // 4 key levels, then 4 value levels
 #pragma unroll
   for (int i = 0; i < 8; ++i) lv[i] = levels[i];
+  // The lane's query channels, raw, in the order the query block reads them: issued before the
+  // block-table prefetch, whose addresses wait for fp2_lo / hi, so the two overlap. (Every lane
+  // reads a real head's row; the padding columns are zeroed below.)
+  const int qhead = kPairTerms ? (g & 3) : g;  // B column g: head g, or (kPairTerms) head g % 4's hi / lo term
+  const float* qh = q + (head0 + min(qhead, GROUP - 1)) * D;
+#if KEY_S8
+  float qraw[KS8][2][4];
+#pragma unroll
+  for (int ks = 0; ks < KS8; ++ks)
+#pragma unroll
+    for (int hl = 0; hl < 2; ++hl)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qraw[ks][hl][e] = qh[k8_channel(ks, 16 * hl + 4 * t + e)];
+#else
+  float qraw[NKS][2][2];
+#pragma unroll
+  for (int ks = 0; ks < NKS; ++ks)
+#pragma unroll
+    for (int hl = 0; hl < 2; ++hl)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) qraw[ks][hl][e] = qh[k_channel(ks, 8 * hl + 2 * t + e)];
+#endif
+  // Pool rows of the warp's stages, prefetched 32 stages at a time: lane l of `rows_cur` holds the
+  // pool row (page * Hkv + kvh) * P + slot of the first token of the warp's local stage 32c + l
+  // (chunk c), `rows_next` those of chunk c + 1. Reading the block table right before each
+  // cp.async would stall the warp on a dependent global load (an L2 round trip) every stage, and
+  // the integer division by page_size costs ~25 instructions: both now happen once per chunk.
+  const int32_t* bt = block_table + size_t(b) * bt_stride;
+  const uint32_t head_rows = uint32_t(kvh) * page_size, page_rows = uint32_t(num_kv_heads) * page_size;
+  auto load_rows = [&](int chunk) -> uint32_t {
+    const int si = warp + (32 * chunk + lane) * NUM_WARPS;
+    const int f = r_lo + si * TOK;  // first token of the stage
+    return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
+  };
+  uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
+
   KeyOps key;
   Softmax sm;  // the query block below sets its inv (KEY_S8)
   sm.m[0] = sm.m[1] = ZD_NEG_INF;
   sm.l[0] = sm.l[1] = 0.f;
   {
-    // B column g: head g, or with kPairTerms head g % 4's hi (g < 4) or lo (g >= 4) term
-    const int qhead = kPairTerms ? (g & 3) : g;
-    const float* qh = q + (head0 + min(qhead, GROUP - 1)) * D;
     const bool live = qhead < GROUP;
 #if KEY_S8
     float x[KS8][2][4];
@@ -200,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
       for (int hl = 0; hl < 2; ++hl)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          x[ks][hl][e] = live ? qh[k8_channel(ks, 16 * hl + 4 * t + e)] * q_scale : 0.f;
+          x[ks][hl][e] = live ? qraw[ks][hl][e] * q_scale : 0.f;
           mx = fmaxf(mx, fabsf(x[ks][hl][e]));
         }
 #pragma unroll
@@ -246,8 +280,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     for (int ks = 0; ks < NKS; ++ks) {
 #pragma unroll
       for (int hl = 0; hl < 2; ++hl) {
-        const float x0 = live ? qh[k_channel(ks, 8 * hl + 2 * t)] * q_scale : 0.f;
-        const float x1 = live ? qh[k_channel(ks, 8 * hl + 2 * t + 1)] * q_scale : 0.f;
+        const float x0 = live ? qraw[ks][hl][0] * q_scale : 0.f;
+        const float x1 = live ? qraw[ks][hl][1] * q_scale : 0.f;
         key.qf[ks][hl] = pack_half2(x0, x1);
       }
     }
@@ -259,19 +293,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t vl01 = pack_half2(lv[4], lv[5]), vl23 = pack_half2(lv[6], lv[7]);
   const uint32_t vlt = prmt(vl01, vl23, 0x7531);
 
-  // Pool rows of the warp's stages, prefetched 32 stages at a time: lane l of `rows_cur` holds the
-  // pool row (page * Hkv + kvh) * P + slot of the first token of the warp's local stage 32c + l
-  // (chunk c), `rows_next` those of chunk c + 1. Reading the block table right before each
-  // cp.async would stall the warp on a dependent global load (an L2 round trip) every stage, and
-  // the integer division by page_size costs ~25 instructions: both now happen once per chunk.
-  const int32_t* bt = block_table + size_t(b) * bt_stride;
-  const uint32_t head_rows = uint32_t(kvh) * page_size, page_rows = uint32_t(num_kv_heads) * page_size;
-  auto load_rows = [&](int chunk) -> uint32_t {
-    const int si = warp + (32 * chunk + lane) * NUM_WARPS;
-    const int f = r_lo + si * TOK;  // first token of the stage
-    return si < num_stages ? uint32_t(bt[f / page_size]) * page_rows + head_rows + f % page_size : 0u;
-  };
-  uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
   if (no_work) {  // the whole CTA: nothing above waits on another warp
     ZD_STAMP(6, 0);
     return;
