@@ -178,8 +178,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int g = lane >> 2, t = lane & 3;
   Stage* ring = reinterpret_cast<Stage*>(smem_raw) + warp * STAGES;
 
-  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels in the permuted
-  // K order.
   float lv[8];  // 4 key levels, then 4 value levels
 #pragma unroll
   for (int i = 0; i < 8; ++i) lv[i] = levels[i];
@@ -219,6 +217,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   };
   uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
 
+  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels
+  // in the permuted K order.
   KeyOps key;
   Softmax sm;  // the query block below sets its inv (KEY_S8)
   sm.m[0] = sm.m[1] = ZD_NEG_INF;

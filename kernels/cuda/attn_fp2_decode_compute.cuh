@@ -34,7 +34,8 @@ constexpr int NS = kHalf ? 1 : NT;  // score tiles of one lane's softmax
 // with t < 2 accumulates hi partials of heads 2t, 2t+1 and its partner t + 2 the lo partials of the
 // same heads; each scales its own part and one shuffle adds them. Half the IMMAs, Q registers and
 // integer accumulators; lanes t >= 2 then carry copies of heads 0..3 in the softmax and the output
-// (columns the combine drops, as it dropped the padding heads).
+// (columns the combine drops, as it dropped the padding heads), or with kHalf (below) tile 1's
+// share of them (columns the combine adds).
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
 constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
@@ -72,7 +73,8 @@ struct KeyOps {
 #endif
 
 struct Softmax {
-  float m[2], l[2];  // running max (log2 domain) and this lane's partial sum, heads 2t, 2t+1
+  float m[2], l[2];  // running max (log2 domain) and this lane's partial sum: score columns 2t, 2t+1
+                     // (heads 2t, 2t+1; with paired terms heads 2(t % 2), 2(t % 2) + 1)
 #if KEY_S8
   float inv[2];  // per score column: 1 / (c_h * f * 128), turning the integer scores into log2 units
 #endif
