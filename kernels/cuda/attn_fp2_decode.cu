@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // bytes: one wide multiply-add onto the lane's fixed pointer per run.
   const CopyPlan plan = copy_plan(lane);
   const uint32_t ring_addr = smem_addr(ring);
-  const uint32_t* kc_lane = pinned(k_codes + 4 * k_source_chunk(lane));
+  const uint32_t* kc_lane = pinned(k_codes + 4 * lane);
   const uint32_t* vc_lane = pinned(v_codes + 4 * lane);
   const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
   const uint8_t* vs_lane = pinned(v_scales + 16 * lane);

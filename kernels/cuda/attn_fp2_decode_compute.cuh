@@ -89,11 +89,12 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     uint32_t a[2][WPJ][4];  // [row half][word][register], expand_word_bytes' order
-    const uint32_t* kc = st->kc + 4 * g + t;  // lane-major run (k_source_chunk): + 32 words a chunk
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < 2; ++r) {
+      const int tok = tok_of_row(g) + 16 * i + kRowStep8 * r;
 #pragma unroll
-      for (int j = 0; j < WPJ; ++j) expand_word_bytes(kc[32 * (j + WPJ * (r + 2 * i))], key.table, a[r][j]);
+      for (int j = 0; j < WPJ; ++j) expand_word_bytes(st->kc[k_word(tok, 4 * j + t)], key.table, a[r][j]);
+    }
     int acc[NBK][NTERM][4];  // partial dot products per key scale block and query term
 #pragma unroll
     for (int b = 0; b < NBK; ++b)

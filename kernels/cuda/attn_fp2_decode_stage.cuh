@@ -53,38 +53,25 @@ ZD_DEVICE int tok_of_row(int r) {
   return 8 * (r >> 3) + tok_of_pos8(r & 7);
 }
 
-// Shared-memory place of 16-byte chunk c of a stage's key run (token-major rows of WPR words), fp16
-// keys. The quad row order has the 8 rows of an MMA half-tile at only two values of tok % 4, i.e. in
-// two bank groups of plain rows; V_QUAD permutes the chunks inside each 128-byte group of rows so
-// that those rows (4- and 8-byte loads alike) fall in distinct bank groups. (KEY_S8 keys are
-// lane-major instead: k_source_chunk.)
+// Shared-memory place of 16-byte chunk c of a stage's key run (token-major rows of WPR words). The
+// quad row order has the 8 rows of an MMA half-tile at only two values of tok % 4, i.e. in two
+// bank groups of plain rows; V_QUAD permutes the chunks inside each 128-byte group of rows so that
+// those rows (4- and 8-byte loads alike) fall in distinct bank groups. (A lane-major run for int8
+// keys, conflict-free by construction and 8 instructions a stage shorter, measured 16% slower at
+// L = 128k: docs/fp2-kernel.md, "Stage addressing and the half softmax".)
 ZD_DEVICE int k_chunk(int c) {
-  if constexpr (KEY_S8 || !V_QUAD) return c;
+  if constexpr (!V_QUAD) return c;
   if constexpr (D == 128) {
     const int x = (c >> 3) & 3;  // rows 4x..4x+3 of an 16-row tile: chunk XOR 0, 4, 1, 5
     return c ^ (((x & 1) << 2) | (x >> 1));
   }
   return c ^ (((c >> 3) & 1) << 1);  // D = 64: one chunk per row
 }
-// Shared-memory index of key code word w of stage token tok (fp16 keys).
+// Shared-memory index of key code word w of stage token tok.
 ZD_DEVICE int k_word(int tok, int w) { return 4 * k_chunk(tok * (WPR / 4) + (w >> 2)) + (w & 3); }
 
 // Row step of an MMA half-tile: score row g + 8 is token tok_of_row(g) + kRowStep8 (both orders).
 constexpr int kRowStep8 = V_QUAD ? 2 : 8;
-
-// KEY_S8: the key run is lane-major. Lane (g, t) of an int8 score MMA reads word 4j + t of token
-// row 16i + tok_of_row(g + 8r) (j < WPR / 4 chunks per row): that chunk sits at shared chunk
-// s = g + 8 (j + (WPR / 4) (r + 2i)), so a warp's key load is 32 consecutive words (no bank
-// conflict) at one base register plus an immediate. The copies keep their destinations (chunk
-// lane + 32x) and read the source chunk that belongs there: k_source_chunk(lane) + 32x (chunk
-// lane + 32x is tile x at D = 128, tiles 0 and 1 at D = 64, so a warp still reads one contiguous
-// 512-byte block per copy). fp16 keys keep the token-major run (k_chunk places the copies).
-ZD_DEVICE int k_source_chunk(int lane) {
-  if constexpr (!KEY_S8) return lane;
-  constexpr int KJ = WPR / 4;  // 16-byte chunks per token row (2, or 1 at D = 64)
-  const int g = lane & 7, j = (lane >> 3) % KJ, rr = (lane >> 3) / KJ;  // rr = r + 2i
-  return (16 * (rr >> 1) + tok_of_row(g + 8 * (rr & 1))) * KJ + j;
-}
 
 // Shared-memory place of 16-byte chunk c of a stage's value run. V_QUAD: quad q's chunk k (lane
 // group g's words: k = g at D = 128, g / 2 at D = 64) moves to k ^ 2(q % 4) (D = 64: k ^ (q & 2)),
@@ -114,7 +101,7 @@ constexpr int kCodeChunks = TOK * WPR / 4 / 32;  // 16-byte chunks of each code 
 static_assert(kOffVs + TOK * NBV == sizeof(Stage), "Stage layout");
 
 // Where a lane's copies land in a stage: chunks lane + 32x of the key and value code runs, placed by
-// k_chunk / v_chunk (KEY_S8 keys: in place, their sources permuted); fixed for the CTA.
+// k_chunk / v_chunk; fixed for the CTA.
 struct CopyPlan {
   uint32_t kc[kCodeChunks], vc[kCodeChunks];  // byte offsets in a Stage
 };
@@ -129,9 +116,8 @@ ZD_DEVICE CopyPlan copy_plan(int lane) {
 }
 
 // Fill one stage if `live`: 32 tokens of K and V codes plus their scales (a page holds whole
-// stages). `dst` is the stage's shared address; kc points at the lane's first key source chunk
-// (k_source_chunk(lane)) of the stage's key run, vc at chunk `lane` of its value run, ks / vs at
-// chunk `lane` of its scale runs (copied by the lanes that have one). The copies are predicated, not
+// stages). `dst` is the stage's shared address; kc / vc point at the lane's first chunk (chunk
+// `lane`) of the stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes that have one). The copies are predicated, not
 // branched around: a branch costs the loop a reconvergence pair a stage.
 ZD_DEVICE void load_stage(bool live, uint32_t dst, int lane, const CopyPlan& cp, const uint32_t* kc,
                           const uint32_t* vc, const uint8_t* ks, const uint8_t* vs) {
