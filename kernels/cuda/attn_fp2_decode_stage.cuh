@@ -117,8 +117,9 @@ ZD_DEVICE CopyPlan copy_plan(int lane) {
 
 // Fill one stage if `live`: 32 tokens of K and V codes plus their scales (a page holds whole
 // stages). `dst` is the stage's shared address; kc / vc point at the lane's first chunk (chunk
-// `lane`) of the stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes that have one). The copies are predicated, not
-// branched around: a branch costs the loop a reconvergence pair a stage.
+// `lane`) of the stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes
+// that have one). The copies are predicated, not branched around: a branch costs the loop a
+// reconvergence pair a stage.
 ZD_DEVICE void load_stage(bool live, uint32_t dst, int lane, const CopyPlan& cp, const uint32_t* kc,
                           const uint32_t* vc, const uint8_t* ks, const uint8_t* vs) {
 #pragma unroll
