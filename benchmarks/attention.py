@@ -17,6 +17,12 @@ sequence (decode append) and a 32-token tail flush per sequence, alone, and the 
 time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
 and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
 window, the leaving row rounded with error feedback into its page, kernels/kv_write.py).
+
+Every timed FP2 variant is also checked: its output for the first and the last sequence against the
+plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
+in the JSON as `check_rel_err` (the worst over the variants). A case over the tolerance is printed
+and the script exits 1 after the table: a wrong kernel's time is not a result (and an A/B of source
+variants through benchmarks/ab.sh then checks each variant too).
 """
 
 from __future__ import annotations
@@ -28,6 +34,25 @@ import sys
 from dataclasses import replace
 
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
+CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
+
+
+def check_rel_err(att, q, layer, batch, L: int, num_splits: int | None) -> float:
+    """The worst relative error of the module's output over the first and the last sequence against
+    `reference_decode` (each sequence alone: the reference dequantizes its pages to fp32, ~1 GB at
+    L = 128k)."""
+    from zerodram.runtime.attention import DecodeBatch, reference_decode
+
+    out = att(q, layer, batch, max_len=L, num_splits=num_splits)
+    worst = 0.0
+    for b in sorted({0, q.shape[0] - 1}):
+        one = DecodeBatch(
+            block_table=batch.block_table[b : b + 1], fp2_len=batch.fp2_len[b : b + 1], hp_k=batch.hp_k,
+            hp_v=batch.hp_v, hp_len=batch.hp_len[b : b + 1], hp_slot=batch.hp_slot[b : b + 1],
+        )  # fmt: skip
+        ref = reference_decode(q[b : b + 1], layer, one, att.softmax_scale, att.scale_dtype, att.value_product)[0]
+        worst = max(worst, float((out[b] - ref).norm() / ref.norm().clamp_min(1e-30)))
+    return worst
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +133,10 @@ def _case(
                 flush,
             )
             row[f"fp2_ms_{tag}"] = ms
+            err = check_rel_err(att, q, vl_layer, batch, L, forced)
+            row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
+            if err > CHECK_TOL:
+                print(f"# CHECK FAILED: B={B} L={L} {tag}: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
             if "fp2_ms" not in row or ms < row["fp2_ms"]:
                 row["fp2_ms"], row["fp2_config"], row["splits"] = ms, tag, splits
                 best, best_layer, best_forced = att, vl_layer, forced
@@ -243,6 +272,12 @@ def run(args: argparse.Namespace) -> int:
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
             f" {1e3 * r['ewrite1_added_ms']:>11.1f}"
         )
+    worst = max(r["check_rel_err"] for r in rows)
+    print(f"output check: worst relative error {worst:.2e} against reference_decode (tolerance {CHECK_TOL})")
+    if worst > CHECK_TOL:
+        print(f"attention benchmark: an FP2 variant's output is off by {worst:.2e} (> {CHECK_TOL}); its times are "
+              "not results (the cases are named above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-from attention_cases import e4m3_product_bound, kernel_side, kv_cache_case, make_attention
-from bench_cli import assert_refuses_without_gpu, run_bench
+from attention_cases import e4m3_product_bound, kernel_side, kv_cache_case, make_attention, paged_case
+from bench_cli import assert_refuses_without_gpu, load_script, run_bench
 
 from zerodram.kernels.attention import Fp2KernelConfig
 from zerodram.kernels.jit import compile_cubin
@@ -350,3 +350,26 @@ def test_bench_refuses_negative_split_counts_and_runs_only_on_a_gpu() -> None:
     out = run_bench(["attention", "--splits", "0,4,-1"])
     assert out.returncode == 2 and "--splits takes counts >= 0" in out.stderr, out.stderr[-2000:]
     assert_refuses_without_gpu("attention")
+
+
+def test_bench_output_check_passes_the_module_and_catches_a_wrong_output() -> None:
+    """`benchmarks/attention.py`'s check of every timed variant: the module's own output (here the
+    CPU path) is within the tolerance of reference_decode on the first and the last sequence, and
+    an output 1% off on the last sequence alone is not (so the check can fail, and looks there)."""
+    bench = load_script("attention")
+    layer, batch, gen = paged_case([70, 5, 130], [3, 0, 36], 11, Hkv=2, P=64, D=64, device="cpu")
+    att = make_attention("cpu", Hq=8, Hkv=2, D=64, max_tokens=256)
+    q = torch.randn(3, 8, 64, generator=gen)
+    assert bench.check_rel_err(att, q, layer, batch, 130, None) < 1e-5
+
+    class LastOff:  # the module, with its last sequence's output scaled by 1.01
+        def __getattr__(self, name):
+            return getattr(att, name)
+
+        def __call__(self, *a, **kw):
+            out = att(*a, **kw).clone()
+            out[-1] *= 1.01
+            return out
+
+    assert bench.check_rel_err(LastOff(), q, layer, batch, 130, None) == pytest.approx(0.01, rel=1e-3)
+    assert bench.CHECK_TOL < 0.01
