@@ -52,6 +52,9 @@ class Fp2KernelConfig:
     # of both halves running both (attn_fp2_decode_compute.cuh, kHalf); no effect otherwise.
     half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
+    # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
+    # CTA). A one-token append is a latency chain; one warp walking all 33 was most of its time.
+    write_search_warps: int = 4
 
     def defines(self) -> dict[str, int]:
         return {
@@ -67,12 +70,19 @@ class Fp2KernelConfig:
             "V_QUAD": int(self.v_quad),
             "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
+            "SEARCH_WARPS": self.write_warps_per_block,
         }
+
+    @property
+    def write_warps_per_block(self) -> int:
+        """attn_fp2_write's search warps per scale block: `write_search_warps`, as many as fit in
+        1024 threads beside the token's blocks at the smaller block size."""
+        return max(1, min(self.write_search_warps, 32 // (self.head_dim // min(self.k_block, self.v_block))))
 
     def build_options(self, kernel: str) -> BuildOptions:
         keep = {
-            "attn_fp2_decode": self.defines().keys(),
-            "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD"),
+            "attn_fp2_decode": self.defines().keys() - {"SEARCH_WARPS"},
+            "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD", "SEARCH_WARPS"),
         }[kernel]
         d = self.defines()
         extra = ("-lineinfo",)
@@ -206,4 +216,4 @@ class Fp2Kernels:
             np.int64(v_scales.stride(0)), np.int64(v_scales.stride(1)),
             ptr(levels), ptr(fracs), np.int32(rules),
         )  # fmt: skip
-        launch(self._write, grid=(N, Hkv, 2), block=(32 * nb,), args=args)
+        launch(self._write, grid=(N, Hkv, 2), block=(32 * nb * self.cfg.write_warps_per_block,), args=args)

@@ -5,14 +5,18 @@
 // Shape legend: N tokens to write, Hkv kv heads, D head dim, BS channels per scale block,
 // NB = D / BS blocks per token, C = 33 candidate scales of the MSE search, P page size.
 //
-// grid (N, Hkv, 2 sides: K then V), NB warps; lane l holds channels l, l + 32, ... of its warp's
-// block in registers. Scale rule (per side): absmax: s = round(absmax / max|L|); mse: the
-// candidate s_c = round(absmax / max|L| * frac_c) of least squared error, first on ties. The search
-// places codes as the CPU search does, y >= s_c * m_i (products, not divisions), so the two agree
-// wherever the errors are not equal within rounding. Each candidate's error is a warp sum (an xor
-// butterfly: every lane ends with bitwise the same sum, so every lane picks the same winner), and
-// the 33 candidates are independent, so a decode write of a few tokens is a short latency chain
-// instead of one lane walking 2 x 64 divisions. Rounding is the reference's (E4M3
+// grid (N, Hkv, 2 sides: K then V), NB x CW warps: CW search warps per scale block (SEARCH_WARPS);
+// lane l of each holds channels l, l + 32, ... of its block in registers. Scale rule (per side):
+// absmax: s = round(absmax / max|L|), one warp per block; mse: the candidate
+// s_c = round(absmax / max|L| * frac_c) of least squared error, first on ties. The search places
+// codes as the CPU search does, y >= s_c * m_i (products, not divisions), so the two agree wherever
+// the errors are not equal within rounding. Each candidate's error is a warp sum (an xor butterfly:
+// every lane ends with bitwise the same sum). The candidates are independent, and a decode write
+// (one token per sequence) is a latency chain, not a throughput job: so search warp w scores a
+// contiguous share of CPW candidates, their butterflies interleaved round by round, and the block's
+// first warp takes the least (error, candidate) over the shares from shared memory. One warp
+// walking all 33 candidates was ~1300 dependent-chained instructions, most of a one-token write's
+// time. Rounding is the reference's (E4M3
 // round-to-nearest-even clamped into [2^-9, 448]; E8M0 nearest power of two in log2, ties up);
 // the final codes divide, y / s >= m_i, as `nearest_code` does (docs/fp2-kernel.md, "Write path").
 #include "attn_fp2_common.cuh"
@@ -35,6 +39,9 @@
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout (runtime/kv/pack.py)
 #endif
+#ifndef SEARCH_WARPS
+#define SEARCH_WARPS 4  // warps sharing one block's candidates (Fp2KernelConfig.write_search_warps)
+#endif
 
 namespace {
 constexpr int D = HEAD_DIM;
@@ -42,8 +49,10 @@ constexpr int MAX_BS = K_BLOCK > V_BLOCK ? K_BLOCK : V_BLOCK;
 constexpr int MAX_NB = D / (K_BLOCK < V_BLOCK ? K_BLOCK : V_BLOCK);
 static_assert(K_BLOCK % 16 == 0 && V_BLOCK % 16 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
 constexpr int PER_LANE = (MAX_BS + 31) / 32;  // channels of a block each lane holds
+constexpr int CW = SEARCH_WARPS;
+constexpr int CPW = (NUM_CAND + CW - 1) / CW;  // candidates per search warp
 constexpr unsigned kFull = 0xffffffffu;
-static_assert(NUM_CAND <= 64, "two candidates per lane at most");
+static_assert(CW >= 1 && MAX_NB * CW <= 32, "at most 1024 threads");
 
 __device__ int nearest_code(float z, float m0, float m1, float m2) {
   return int(z >= m0) + int(z >= m1) + int(z >= m2);  // bucketize(right=True) over the midpoints
@@ -55,7 +64,7 @@ __device__ int nearest_code(float z, float m0, float m1, float m2) {
 // k_codes / v_codes, k_scales / v_scales: the page pools (same layout and strides as attn_fp2_decode)
 // levels   [8] fp32 (K then V, sorted); fracs [NUM_CAND] fp32 candidate fractions (MSE rule)
 // rules    0 absmax, 1 mse; bit 0 keys, bit 1 values
-extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
+extern "C" __global__ void __launch_bounds__(32 * MAX_NB * CW)
     attn_fp2_write(const float* __restrict__ y, const int32_t* __restrict__ seq_idx,
                    const int32_t* __restrict__ fp2_idx, const int32_t* __restrict__ block_table, int bt_stride,
                    int page_size, uint32_t* __restrict__ k_codes, uint8_t* __restrict__ k_scales,
@@ -64,11 +73,13 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
                    long long vs_page_stride, long long vs_head_stride, const float* __restrict__ levels,
                    const float* __restrict__ fracs, int rules) {
   __shared__ uint8_t cs[MAX_NB][MAX_BS];
+  __shared__ float share_err[MAX_NB][CW], share_scale[MAX_NB][CW];  // each search warp's best
   const int n = blockIdx.x, kvh = blockIdx.y, side = blockIdx.z;
   const int num_kv_heads = gridDim.y;
   const int bs = side == 0 ? K_BLOCK : V_BLOCK, nb = D / bs;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (warp >= nb) return;
+  const int warp = (threadIdx.x >> 5) / CW, cw = (threadIdx.x >> 5) % CW, lane = threadIdx.x & 31;
+  const bool mse = (rules >> side) & 1;  // the same for the whole CTA: the exits below are uniform per block
+  if (warp >= nb || (cw != 0 && !mse)) return;
   // The destination first: its two dependent loads (the token's sequence and slot, then the block
   // table) then overlap the scale search instead of following it (__syncwarp below keeps the
   // compiler from hoisting them itself).
@@ -79,7 +90,9 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = (l0 + l1) * 0.5f, m1 = (l1 + l2) * 0.5f, m2 = (l2 + l3) * 0.5f;
   const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
-  const bool mse = (rules >> side) & 1;
+  float frac[CPW];  // this warp's share of the candidate fractions, loaded beside y
+#pragma unroll
+  for (int k = 0; k < CPW; ++k) frac[k] = mse && cw * CPW + k < NUM_CAND ? fracs[cw * CPW + k] : 0.f;
 
   // yv[i] = channel lane + 32 i of the block; channels past bs (bs < 32 i + 32) hold 0 and are
   // masked out of the errors below.
@@ -100,29 +113,45 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   if (!mse) {
     scale = zd::round_scale<SCALE_FMT>(s0);
   } else {
-    // Lane l rounds candidates l and l + 32 once; the loop takes candidate c from lane c % 32.
-    const float cand_lo = lane < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane])) : 0.f;
-    const float cand_hi = lane + 32 < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
-    float best_err = __int_as_float(0x7f800000);
-    scale = __shfl_sync(kFull, cand_lo, 0);  // candidate 0, should every error overflow to inf
+    // Candidates cw * CPW + k: every lane rounds them itself (the same bits on every lane), scores
+    // its channels, then the butterflies run round by round over the share, CPW shuffles in flight.
+    float cand[CPW], err[CPW];
 #pragma unroll
-    for (int c = 0; c < NUM_CAND; ++c) {
-      const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);
-      const float t0 = __fmul_rn(cand, m0), t1 = __fmul_rn(cand, m1), t2 = __fmul_rn(cand, m2);
-      const float q0 = __fmul_rn(l0, cand), q1 = __fmul_rn(l1, cand);
-      const float q2 = __fmul_rn(l2, cand), q3 = __fmul_rn(l3, cand);
-      float err = 0.f;
+    for (int k = 0; k < CPW; ++k) {
+      cand[k] = zd::round_scale<SCALE_FMT>(__fmul_rn(s0, frac[k]));
+      const float t0 = __fmul_rn(cand[k], m0), t1 = __fmul_rn(cand[k], m1), t2 = __fmul_rn(cand[k], m2);
+      const float q0 = __fmul_rn(l0, cand[k]), q1 = __fmul_rn(l1, cand[k]);
+      const float q2 = __fmul_rn(l2, cand[k]), q3 = __fmul_rn(l3, cand[k]);
+      err[k] = 0.f;
 #pragma unroll
       for (int i = 0; i < PER_LANE; ++i) {
         const float v = yv[i];
         const float q = v >= t1 ? (v >= t2 ? q3 : q2) : (v >= t0 ? q1 : q0);
         const float d = lane + 32 * i < bs ? __fsub_rn(v, q) : 0.f;
-        err = __fmaf_rn(d, d, err);
+        err[k] = __fmaf_rn(d, d, err[k]);
       }
-#pragma unroll
-      for (int off = 16; off; off >>= 1) err = __fadd_rn(err, __shfl_xor_sync(kFull, err, off));
-      if (err < best_err) best_err = err, scale = cand;
     }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+#pragma unroll
+      for (int k = 0; k < CPW; ++k) err[k] = __fadd_rn(err[k], __shfl_xor_sync(kFull, err[k], off));
+    }
+    // The share's first least error; +inf (and the share's first candidate) where every error
+    // overflows or is NaN, so that a block whose every error does falls back to candidate 0.
+    float best_err = __int_as_float(0x7f800000);
+    scale = cand[0];
+#pragma unroll
+    for (int k = 0; k < CPW; ++k)
+      if (cw * CPW + k < NUM_CAND && err[k] < best_err) best_err = err[k], scale = cand[k];
+    if (lane == 0) share_err[warp][cw] = best_err, share_scale[warp][cw] = scale;
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * CW * nb) : "memory");
+    if (cw != 0) return;
+    // Shares in candidate order, strict <: the first least error over all of them.
+    best_err = share_err[warp][0];
+    scale = share_scale[warp][0];
+#pragma unroll
+    for (int w = 1; w < CW; ++w)
+      if (share_err[warp][w] < best_err) best_err = share_err[warp][w], scale = share_scale[warp][w];
   }
 
 #pragma unroll
@@ -139,11 +168,11 @@ extern "C" __global__ void __launch_bounds__(32 * MAX_NB)
   if (V_QUAD && side == 1) {
     // Quad layout: byte j % 4 of the quad's word w = g * D/32 + k holds channels 32k + 8f + g
     // (field f), which may lie in two blocks (16-channel blocks): the side's warps meet at a named
-    // barrier (the other warps have left) and share the block codes in `cs`.
-    asm volatile("bar.sync 1, %0;" ::"r"(32 * nb) : "memory");
+    // barrier (the other warps have left, the search warps too) and share the block codes in `cs`.
+    asm volatile("bar.sync 2, %0;" ::"r"(32 * nb) : "memory");
     uint8_t* qb = reinterpret_cast<uint8_t*>(codes + page * code_page_stride + kvh * code_head_stride +
                                              (long long)(j & ~3) * (D / 16));
-    for (int w = threadIdx.x; w < D / 4; w += 32 * nb) {
+    for (int w = 32 * warp + lane; w < D / 4; w += 32 * nb) {
       const int g = w / (D / 32), k = w % (D / 32);
       uint32_t byte = 0;
 #pragma unroll
