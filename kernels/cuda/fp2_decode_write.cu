@@ -8,19 +8,27 @@
 //
 // grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
-//   2. warp 0 reads the oldest tail row (row S) into registers, lane l holding channels l + 32 i;
+//   2. every warp reads the oldest tail row (row S) into registers, lane l holding channels
+//      l + 32 i; the CTA asks L2 for the head's factor rows (step 4's feedback reads them);
 //   3. where the row flushes, the whole CTA moves rows S + 1 .. S + W up by one (the torch body's
 //      "tail moves up"); elsewhere the tail stays and the quantized row goes to the scratch page;
-//   4. warp 0 picks each block's scale (absmax, or the MSE search of attn_fp2_write.cu: candidates
-//      round(absmax / max|L| * frac_c), codes placed by y >= s_c * m_i, first least error; the
-//      errors summed in fp64, as the torch search's prefix sums are, so that both pick the same
-//      candidate unless two errors agree to ~1e-13), then
-//      the codes: nearest (y / s >= m_i) or error feedback channel by channel as fp2_feedback.cu,
-//      bit for bit, from the factor rows pre-divided by their diagonal (`rows`: the same IEEE
-//      quotients that kernel recomputes at each use);
+//   4. each block's scale: absmax (warp 0), or the MSE search of attn_fp2_write.cu shared by the
+//      four warps (candidates round(absmax / max|L| * frac_c), codes placed by y >= s_c * m_i,
+//      first least error; warp w scores a contiguous share, the least (error, candidate) over the
+//      shares taken from shared memory; the errors summed in fp64, as the torch search's prefix
+//      sums are, so that both pick the same candidate unless two errors agree to ~1e-13); then
+//      warp 0 places the codes: nearest (y / s >= m_i) or error feedback channel by channel as
+//      fp2_feedback.cu, bit for bit, from the factor rows pre-divided by their diagonal (`rows`:
+//      the same IEEE quotients that kernel recomputes at each use);
 //   5. codes packed 16 to a word by warp shuffles, scales encoded, both stored at (page, page row);
 //      with V_QUAD the values' codes go out as one byte per quad word instead (the quad layout,
 //      runtime/kv/pack.py): byte stores, so the other three tokens of the quad are untouched.
+//
+// Why the search is shared and the factor prefetched: a decode write is one short row per
+// (sequence, head, side), so its time is its latency. One warp running 2 blocks x 33 candidates
+// of fp64 butterflies, then a feedback chain that waited on factor rows from DRAM (a serving
+// step's factor is not in L2: the attention before it streams the whole cache), took ~63-70 us a
+// launch at any batch (H100, docs/benchmarks.md).
 //
 // Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
 // write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
@@ -56,16 +64,19 @@ namespace {
 constexpr int D = HEAD_DIM;
 constexpr int PER = D / 32;
 constexpr int NUM_THREADS = 128;
+constexpr int NUM_WARPS = NUM_THREADS / 32;
+constexpr int CPW = (NUM_CAND + NUM_WARPS - 1) / NUM_WARPS;  // MSE candidates per warp
 constexpr int PREFETCH = 8;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256");
 static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
-static_assert(NUM_CAND <= 64, "two candidates per lane at most");
 
 // Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
 // 16-byte words, by the whole CTA (see the hazards above).
 __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
-  constexpr int WORDS = 2;  // uint4 per thread per chunk
+  // uint4 per thread per chunk: one chunk (one round trip to memory) for a window of up to 64 rows
+  // at D = 128; the registers are free here, the search and the chain come after
+  constexpr int WORDS = 64 * 128 / 8 / NUM_THREADS;
   const int n = window * D / 8;
   uint4* dst = reinterpret_cast<uint4*>(row_s);
   const uint4* src = reinterpret_cast<const uint4*>(row_s + D);
@@ -85,21 +96,24 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
-// Step 4 and 5 for one side (BS channels per block), warp 0 only; v: the row, lane-strided. words:
-// the row's D/16 words, or with QUAD its quad's D/4 words, the row being token quad_token (0..3).
-template <int BS, bool QUAD>
-__device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float* __restrict__ fracs,
-                             bool mse, const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
-                             uint8_t* __restrict__ scale_bytes) {
+// Step 4's scales for one side (BS channels per block), run by every warp of the CTA (a
+// __syncthreads inside: the caller is uniform per CTA); v: the row, lane-strided, in every warp.
+template <int BS>
+__device__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS]) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
+  __shared__ double share_err[NB][NUM_WARPS];
+  __shared__ float share_scale[NB][NUM_WARPS];
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   // midpoints(): (L[i + 1] + L[i]) / 2, a halving being exact either way
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
   const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
   const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
   const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
+  float frac[CPW];  // this warp's share of the candidates: c = warp * CPW + k
+#pragma unroll
+  for (int k = 0; k < CPW; ++k) frac[k] = mse && warp * CPW + k < NUM_CAND ? fracs[warp * CPW + k] : 0.f;
 
-  float scale[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     float amax = 0.f;
@@ -112,33 +126,66 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
       scale[b] = zd::round_scale<SCALE_FMT>(s0);
       continue;
     }
-    // Lane l rounds candidates l and l + 32 once; candidate c comes from lane c % 32.
-    const float cand_lo = lane < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane])) : 0.f;
-    const float cand_hi = lane + 32 < NUM_CAND ? zd::round_scale<SCALE_FMT>(__fmul_rn(s0, fracs[lane + 32])) : 0.f;
-    double best = __longlong_as_double(0x7ff0000000000000ll);  // +inf
-    scale[b] = __shfl_sync(kFull, cand_lo, 0);  // candidate 0, should every error overflow to inf
+    float cand[CPW];
+    double err[CPW];
 #pragma unroll
-    for (int c = 0; c < NUM_CAND; ++c) {
-      const float cand = __shfl_sync(kFull, c < 32 ? cand_lo : cand_hi, c & 31);
-      const float t0 = __fmul_rn(cand, m0), t1 = __fmul_rn(cand, m1), t2 = __fmul_rn(cand, m2);
+    for (int k = 0; k < CPW; ++k) {
+      cand[k] = zd::round_scale<SCALE_FMT>(__fmul_rn(s0, frac[k]));
+      const float t0 = __fmul_rn(cand[k], m0), t1 = __fmul_rn(cand[k], m1), t2 = __fmul_rn(cand[k], m2);
       // L * cand is exact in fp32 (a few significant bits each) unless it overflows, which needs
       // |y| near 2^126 with E8M0 scales: then every error is inf and candidate 0 stays (torch's
       // fp64 search would still rank them); stored-space values never come near
-      const float q0 = __fmul_rn(l0, cand), q1 = __fmul_rn(l1, cand), q2 = __fmul_rn(l2, cand);
-      const float q3 = __fmul_rn(l3, cand);
-      double err = 0.0;
+      const float q0 = __fmul_rn(l0, cand[k]), q1 = __fmul_rn(l1, cand[k]), q2 = __fmul_rn(l2, cand[k]);
+      const float q3 = __fmul_rn(l3, cand[k]);
+      err[k] = 0.0;
 #pragma unroll
       for (int i = b * SPB; i < (b + 1) * SPB; ++i) {
         const float y = v[i];
         const float q = y >= t1 ? (y >= t2 ? q3 : q2) : (y >= t0 ? q1 : q0);
         const double d = double(y) - double(q);
-        err = fma(d, d, err);
+        err[k] = fma(d, d, err[k]);
       }
-#pragma unroll
-      for (int off = 16; off; off >>= 1) err += __shfl_xor_sync(kFull, err, off);
-      if (err < best) best = err, scale[b] = cand;
     }
+    // the butterflies round by round over the share: CPW shuffles in flight, not one
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+#pragma unroll
+      for (int k = 0; k < CPW; ++k) err[k] += __shfl_xor_sync(kFull, err[k], off);
+    }
+    // the share's first least error; +inf and its first candidate where every error overflows
+    double best = __longlong_as_double(0x7ff0000000000000ll);
+    float pick = cand[0];
+#pragma unroll
+    for (int k = 0; k < CPW; ++k)
+      if (warp * CPW + k < NUM_CAND && err[k] < best) best = err[k], pick = cand[k];
+    if (lane == 0) share_err[b][warp] = best, share_scale[b][warp] = pick;
   }
+  if (!mse) return;
+  __syncthreads();
+  // shares in candidate order, strict <: the first least error over all (candidate 0 where every
+  // error overflows to inf)
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    double best = share_err[b][0];
+    scale[b] = share_scale[b][0];
+#pragma unroll
+    for (int w = 1; w < NUM_WARPS; ++w)
+      if (share_err[b][w] < best) best = share_err[b][w], scale[b] = share_scale[b][w];
+  }
+}
+
+// Step 4's codes and step 5 for one side, warp 0 only; v: the row, lane-strided; scale: the
+// blocks' scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being
+// token quad_token (0..3).
+template <int BS, bool QUAD>
+__device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
+                             const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
+                             uint8_t* __restrict__ scale_bytes) {
+  constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
+  const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
+  const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
+  const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
+  const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
 
   int code[PER] = {};
   if (rows == nullptr) {
@@ -228,25 +275,34 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
   __syncthreads();
 
-  // 2. the oldest tail row, lane-strided, into warp 0
+  // 2. the oldest tail row, lane-strided, into every warp (the search is shared); the head's factor
+  // rows asked of L2 now, so that the chain's register ring loads them from there, not from DRAM
   float v[PER];
-  if (warp == 0) {
 #pragma unroll
-    for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
+  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
+  const float* rows = side == 0 ? k_rows : v_rows;  // [H, D, D], or null: nearest codes
+  if (rows != nullptr) {
+    rows += (long long)h * D * D;
+    for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
   }
   // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
   if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
-  if (warp != 0) return;
 
-  // 4, 5. scales, codes, stores at (page, page row): the real page, or the scratch page
+  // 4, 5. scales (every warp), codes and stores at (page, page row): the real page, or the scratch
+  // page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
-  if (side == 0)
-    quantize_row<K_BLOCK, false>(v, lane, k_levels, fracs, rules & 1,
-                                 k_rows == nullptr ? nullptr : k_rows + (long long)h * D * D, k_codes + at * (D / 16), 0,
-                                 k_scales + at * (D / K_BLOCK));
-  else
-    quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, fracs, (rules >> 1) & 1,
-                                  v_rows == nullptr ? nullptr : v_rows + (long long)h * D * D,
-                                  v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
-                                  v_scales + at * (D / V_BLOCK));
+  if (side == 0) {
+    float scale[D / K_BLOCK];
+    block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
+    if (warp == 0)
+      quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
+                                   k_scales + at * (D / K_BLOCK));
+  } else {
+    float scale[D / V_BLOCK];
+    block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
+    if (warp == 0)
+      quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
+                                    int(prow & 3), v_scales + at * (D / V_BLOCK));
+  }
 }
