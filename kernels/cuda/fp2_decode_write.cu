@@ -96,6 +96,62 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
+// Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
+// over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
+// midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
+// FAST tests r_i = v - s m_i instead: one fma, rounded once, keeps the exact difference's sign, so
+// !(r_i < 0) says v / s >= m_i exactly. The rounded quotient agrees except where v / s lies within
+// an ulp below m_i (it may round up onto m_i): FAST returns whether any lane's value fell in a band
+// twice that wide (-tol_i < r_i < 0, tol_i = s |m_i| 2^-21; 2 FLT_MIN where m_i = 0, a tiny
+// negative quotient rounding to -0, which counts), and the caller then runs the chain again with
+// the divisions (rare: a band of ~2^-22 relative per decision, 32 lanes x 3 midpoints x D steps). NaN counts either way (!(NaN < x)).
+// The three tests are monotone (m ascending, s > 0), so the level comes from them directly.
+template <int BS, bool FAST>
+__device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER], int lane, const float* __restrict__ rows,
+                                               const float (&scale)[D / BS], const float (&m)[3], const float (&l)[4]) {
+  constexpr int NB = D / BS, SPB = BS / 32;
+  float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
+#pragma unroll
+  for (int p = 0; p < PREFETCH; ++p)
+#pragma unroll
+    for (int i = 0; i < PER; ++i) ring[p][i] = __ldg(rows + p * D + 32 * i + lane);
+  float half_tol[NB][3];  // -tol < r < 0 is |r + tol / 2| < tol / 2: one add and one compare
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+#pragma unroll
+    for (int i = 0; i < 3; ++i) half_tol[b][i] = fmaxf(scale[b] * fabsf(m[i]) * 0x1p-22f, 0x1p-126f);
+  bool near = false;
+#pragma unroll
+  for (int c = 0; c < D; ++c) {
+    const int i0 = c / 32, src = c % 32;
+    const float s = scale[i0 / SPB];
+    bool ge[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (FAST) {
+        const float r = __fmaf_rn(-s, m[i], v[i0]);
+        ge[i] = !(r < 0.f);
+        // every lane's, not only the taken lane's: one test fewer, and still rare
+        const float h = half_tol[i0 / SPB][i];
+        near |= fabsf(__fadd_rn(r, h)) < h;
+      } else {
+        ge[i] = !(__fdiv_rn(v[i0], s) < m[i]);
+      }
+    }
+    if (lane == src) code[i0] = int(ge[0]) + int(ge[1]) + int(ge[2]);
+    const float lvl = ge[2] ? l[3] : ge[1] ? l[2] : ge[0] ? l[1] : l[0];
+    const float err = __shfl_sync(kFull, __fsub_rn(v[i0], __fmul_rn(lvl, s)), src);
+    // channels j <= c of slot i0 are updated too: never read again, and a branch costs more
+#pragma unroll
+    for (int i = i0; i < PER; ++i) v[i] = __fsub_rn(v[i], __fmul_rn(ring[c % PREFETCH][i], err));
+    if (c + PREFETCH < D) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) ring[c % PREFETCH][i] = __ldg(rows + (c + PREFETCH) * D + 32 * i + lane);
+    }
+  }
+  return near;
+}
+
 // Step 4's scales for one side (BS channels per block), run by every warp of the CTA (a
 // __syncthreads inside: the caller is uniform per CTA); v: the row, lane-strided, in every warp.
 template <int BS>
@@ -195,27 +251,14 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
       code[i] = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));  // bucketize(right=True)
     }
   } else {
-    float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
+    const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
+    float v0[PER];
 #pragma unroll
-    for (int p = 0; p < PREFETCH; ++p)
+    for (int i = 0; i < PER; ++i) v0[i] = v[i];
+    if (__any_sync(kFull, feedback_codes<BS, true>(v, code, lane, rows, scale, m, l))) {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) ring[p][i] = __ldg(rows + p * D + 32 * i + lane);
-#pragma unroll
-    for (int c = 0; c < D; ++c) {
-      const int i0 = c / 32, src = c % 32;
-      const float s = scale[i0 / SPB];
-      const float z = __fdiv_rn(v[i0], s);
-      const int k = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));
-      if (lane == src) code[i0] = k;
-      const float lvl = k == 0 ? l0 : k == 1 ? l1 : k == 2 ? l2 : l3;
-      const float err = __shfl_sync(kFull, __fsub_rn(v[i0], __fmul_rn(lvl, s)), src);
-      // channels j <= c of slot i0 are updated too: never read again, and a branch costs more
-#pragma unroll
-      for (int i = i0; i < PER; ++i) v[i] = __fsub_rn(v[i], __fmul_rn(ring[c % PREFETCH][i], err));
-      if (c + PREFETCH < D) {
-#pragma unroll
-        for (int i = 0; i < PER; ++i) ring[c % PREFETCH][i] = __ldg(rows + (c + PREFETCH) * D + 32 * i + lane);
-      }
+      for (int i = 0; i < PER; ++i) v[i] = v0[i];
+      feedback_codes<BS, false>(v, code, lane, rows, scale, m, l);
     }
   }
 
