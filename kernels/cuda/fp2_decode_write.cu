@@ -99,14 +99,16 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
 // Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
 // over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
 // midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
-// FAST tests r_i = v - s m_i instead: one fma, rounded once, keeps the exact difference's sign, so
-// !(r_i < 0) says v / s >= m_i exactly. The rounded quotient agrees except where v / s lies within
-// an ulp below m_i (it may round up onto m_i): FAST returns whether any lane's value fell in a band
-// twice that wide (-tol_i < r_i < 0, tol_i = s |m_i| 2^-21; 2 FLT_MIN where m_i = 0, a tiny
-// negative quotient rounding to -0, which counts), and the caller then runs the chain again with
-// the divisions (rare: a band of ~2^-22 relative per decision, 32 lanes x 3 midpoints x D steps). NaN counts either way (!(NaN < x)).
-// The three tests are monotone (m ascending, s > 0), so the level comes from them directly.
-template <int BS, bool FAST>
+// the fast pass (!EXACT) tests r_i = v - s m_i instead: one fma, rounded once, keeps the exact
+// difference's sign, so !(r_i < 0) says v / s >= m_i exactly. The rounded quotient agrees except
+// where v / s lies within an ulp below m_i (it may round up onto m_i). The fast pass returns
+// whether any lane's value fell in a band twice that wide (-tol_i < r_i < 0, tol_i = s |m_i| 2^-21;
+// 2 FLT_MIN where m_i = 0, a tiny negative quotient rounding to -0, which counts); the caller then
+// runs the exact pass, with the divisions. The band holds no float where s m_i is exact (the
+// format's e5m2 levels times e4m3 or E8M0 scales) and m_i != 0, so the exact pass is for other
+// levels and for tiny values. NaN counts either way (!(NaN < x)). The three tests are monotone
+// (m ascending, s > 0), so the level comes from them directly.
+template <int BS, bool EXACT>
 __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER], int lane, const float* __restrict__ rows,
                                                const float (&scale)[D / BS], const float (&m)[3], const float (&l)[4]) {
   constexpr int NB = D / BS, SPB = BS / 32;
@@ -128,7 +130,7 @@ __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER]
     bool ge[3];
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
-      if (FAST) {
+      if (!EXACT) {
         const float r = __fmaf_rn(-s, m[i], v[i0]);
         ge[i] = !(r < 0.f);
         // every lane's, not only the taken lane's: one test fewer, and still rare
@@ -150,6 +152,27 @@ __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER]
     }
   }
   return near;
+}
+
+// The exact pass, out of line so that the fast pass keeps its registers (inlined beside it, the
+// two cost 255 registers and spills at D = 128 with 32-channel key blocks, NVRTC 13.0). Its
+// inputs and codes go through shared memory (arrays by reference would put the fast pass's
+// arrays in local memory too): v and the scales as the fast pass found them, codes [D] back.
+template <int BS>
+__device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows, int lane, float m0, float m1,
+                                                  float m2, float l0, float l1, float l2, float l3,
+                                                  const float* __restrict__ sh_v, const float* __restrict__ sh_scale,
+                                                  int* __restrict__ sh_code) {
+  float v[PER], scale[D / BS];
+  int code[PER] = {};
+#pragma unroll
+  for (int i = 0; i < PER; ++i) v[i] = sh_v[32 * i + lane];
+#pragma unroll
+  for (int b = 0; b < D / BS; ++b) scale[b] = sh_scale[b];
+  const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
+  feedback_codes<BS, true>(v, code, lane, rows, scale, m, l);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
 }
 
 // Step 4's scales for one side (BS channels per block), run by every warp of the CTA (a
@@ -252,13 +275,20 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
     }
   } else {
     const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
-    float v0[PER];
+    __shared__ float sh_v[D], sh_scale[NB];
+    __shared__ int sh_code[D];
 #pragma unroll
-    for (int i = 0; i < PER; ++i) v0[i] = v[i];
-    if (__any_sync(kFull, feedback_codes<BS, true>(v, code, lane, rows, scale, m, l))) {
+    for (int i = 0; i < PER; ++i) sh_v[32 * i + lane] = v[i];
+    if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) v[i] = v0[i];
-      feedback_codes<BS, false>(v, code, lane, rows, scale, m, l);
+      for (int b = 0; b < NB; ++b) sh_scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
+    }
+    if (__any_sync(kFull, feedback_codes<BS, false>(v, code, lane, rows, scale, m, l))) {
+      __syncwarp();
+      feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh_v, sh_scale, sh_code);
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < PER; ++i) code[i] = sh_code[32 * i + lane];
     }
   }
 
