@@ -88,7 +88,9 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
     graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
     flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot.
     On CUDA the write is the decode-write kernel (kernels/kv_write.py) and `append_decode` the
-    torch reference; error feedback gets a random factor (calibration's shape, not its values)."""
+    torch reference; error feedback gets a random factor (calibration's shape, not its values).
+    Some rows are scaled to ~1e-38, so that the kernel's feedback chain also takes its exact pass
+    (the divisions, for values within the band of a midpoint: here under FLT_MIN, beside 0)."""
     import dataclasses
 
     from zerodram.runtime.kv.decode_index import StaticDecodeIndex
@@ -130,6 +132,9 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
         live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
         k = torch.randn(Bp, H, D, generator=gen).to(device) * 3  # rows past len(live): padding
         v = torch.randn(Bp, H, D, generator=gen).to(device) * 3
+        if step % 9 == 4:  # values under FLT_MIN beside the zero midpoint: the kernel's exact pass
+            k[0] *= 1e-38
+            v[0] *= 1e-38
         a.append_decode(live, k[: len(live)], v[: len(live)])
         ix.fill(b.plan_decode_static(live), b.scratch_slot, b.scratch_page)
         k_in.copy_(k)
