@@ -33,7 +33,7 @@
 // Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
 // write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
-// feedback chain is sequential over D channels (one division, one shuffle deep per channel): the
+// feedback chain is sequential over D channels (one decision, one shuffle deep per channel): the
 // factor rows are loaded PREFETCH channels ahead into a register ring (the loop is unrolled so the
 // ring stays in registers), keeping the L2 latency off the chain. Padding rows all name the
 // scratch slot and page: their writes race, and nothing reads them.
@@ -99,15 +99,16 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
 // Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
 // over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
 // midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
-// the fast pass (!EXACT) tests r_i = v - s m_i instead: one fma, rounded once, keeps the exact
-// difference's sign, so !(r_i < 0) says v / s >= m_i exactly. The rounded quotient agrees except
-// where v / s lies within an ulp below m_i (it may round up onto m_i). The fast pass returns
-// whether any lane's value fell in a band twice that wide (-tol_i < r_i < 0, tol_i = s |m_i| 2^-21;
-// 2 FLT_MIN where m_i = 0, a tiny negative quotient rounding to -0, which counts); the caller then
-// runs the exact pass, with the divisions. The band holds no float where s m_i is exact (the
-// format's e5m2 levels times e4m3 or E8M0 scales) and m_i != 0, so the exact pass is for other
-// levels and for tiny values. NaN counts either way (!(NaN < x)). The three tests are monotone
-// (m ascending, s > 0), so the level comes from them directly.
+// the fast pass (!EXACT) tests r_i = v - s m_i instead: one fma, rounded once, so !(r_i < 0) says
+// v / s >= m_i exactly, except where r_i underflows to -0. The rounded quotient differs from the
+// exact one only where v / s lies just below m_i and rounds up onto it (within half an ulp of m_i,
+// at most s |m_i| 2^-24; within s 2^-150 of 0 where m_i is 0 or subnormal: a tiny negative
+// quotient rounds to -0, which counts). The fast pass flags any value whose r_i lies in
+// (-tol_i, -0], tol_i = max(s |m_i| 2^-21, s 2^-148, 2^-125), a band four times or more the
+// widest of these, and the caller then runs the exact pass, with the divisions. For the format's
+// levels (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact
+// pass is for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three
+// tests are monotone (m ascending, s > 0), so the level comes from them directly.
 template <int BS, bool EXACT>
 __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER], int lane, const float* __restrict__ rows,
                                                const float (&scale)[D / BS], const float (&m)[3], const float (&l)[4]) {
@@ -117,11 +118,15 @@ __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER]
   for (int p = 0; p < PREFETCH; ++p)
 #pragma unroll
     for (int i = 0; i < PER; ++i) ring[p][i] = __ldg(rows + p * D + 32 * i + lane);
-  float half_tol[NB][3];  // -tol < r < 0 is |r + tol / 2| < tol / 2: one add and one compare
+  // The band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
+  // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
+  uint32_t tol_bits[NB][3];
 #pragma unroll
   for (int b = 0; b < NB; ++b)
 #pragma unroll
-    for (int i = 0; i < 3; ++i) half_tol[b][i] = fmaxf(scale[b] * fabsf(m[i]) * 0x1p-22f, 0x1p-126f);
+    for (int i = 0; i < 3; ++i)
+      tol_bits[b][i] = __float_as_uint(
+          fmaxf(fmaxf(scale[b] * fabsf(m[i]) * 0x1p-21f, scale[b] * 0x1p-126f * 0x1p-22f), 0x1p-125f));
   bool near = false;
 #pragma unroll
   for (int c = 0; c < D; ++c) {
@@ -134,8 +139,7 @@ __device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER]
         const float r = __fmaf_rn(-s, m[i], v[i0]);
         ge[i] = !(r < 0.f);
         // every lane's, not only the taken lane's: one test fewer, and still rare
-        const float h = half_tol[i0 / SPB][i];
-        near |= fabsf(__fadd_rn(r, h)) < h;
+        near |= (__float_as_uint(r) ^ 0x80000000u) < tol_bits[i0 / SPB][i];
       } else {
         ge[i] = !(__fdiv_rn(v[i0], s) < m[i]);
       }
