@@ -53,7 +53,10 @@ class Fp2KernelConfig:
     half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
     # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
-    # CTA). A one-token append is a latency chain; one warp walking all 33 was most of its time.
+    # CTA) where the grid is short (a decode append: a latency chain, one warp walking all 33 was
+    # most of its time); a grid of more than two CTAs per SM (a prefill chunk, a tail flush) is a
+    # throughput job and runs one warp per block (H200: 4 warps made a 32-token flush at B = 8
+    # 27.4 us against 18.1).
     write_search_warps: int = 4
 
     def defines(self) -> dict[str, int]:
@@ -79,12 +82,13 @@ class Fp2KernelConfig:
         1024 threads beside the token's blocks at the smaller block size."""
         return max(1, min(self.write_search_warps, 32 // (self.head_dim // min(self.k_block, self.v_block))))
 
-    def build_options(self, kernel: str) -> BuildOptions:
+    def build_options(self, kernel: str, search_warps: int | None = None) -> BuildOptions:
+        """search_warps: attn_fp2_write's SEARCH_WARPS (default `write_warps_per_block`)."""
         keep = {
             "attn_fp2_decode": self.defines().keys() - {"SEARCH_WARPS"},
             "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD", "SEARCH_WARPS"),
         }[kernel]
-        d = self.defines()
+        d = self.defines() | ({"SEARCH_WARPS": search_warps} if search_warps else {})
         extra = ("-lineinfo",)
         if kernel == "attn_fp2_decode":
             extra += (f"-maxrregcount={self.max_registers}", f"-Xptxas=--register-usage-level={self.register_usage}")
@@ -126,14 +130,19 @@ class Fp2Kernels:
         )
 
     @cached_property
-    def _write(self):
-        return load_module("attn_fp2_write", self.cfg.build_options("attn_fp2_write")).kernel(
-            "attn_fp2_write"
-        )
+    def _write(self):  # {search warps per block: kernel}: the short-grid build and the one-warp build
+        return {
+            cw: load_module("attn_fp2_write", self.cfg.build_options("attn_fp2_write", cw)).kernel("attn_fp2_write")
+            for cw in sorted({self.cfg.write_warps_per_block, 1})
+        }
+
+    @cached_property
+    def _num_sms(self) -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""
-        _ = self._decode, self._write
+        _ = self._decode, self._write, self._num_sms
 
     def decode_ctas_per_sm(self) -> int:
         """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
@@ -216,4 +225,5 @@ class Fp2Kernels:
             np.int64(v_scales.stride(0)), np.int64(v_scales.stride(1)),
             ptr(levels), ptr(fracs), np.int32(rules),
         )  # fmt: skip
-        launch(self._write, grid=(N, Hkv, 2), block=(32 * nb * self.cfg.write_warps_per_block,), args=args)
+        cw = self.cfg.write_warps_per_block if N * Hkv * 2 <= 2 * self._num_sms else 1  # write_search_warps
+        launch(self._write[cw], grid=(N, Hkv, 2), block=(32 * nb * cw,), args=args)
