@@ -27,8 +27,8 @@
 // Why the search is shared and the factor prefetched: a decode write is one short row per
 // (sequence, head, side), so its time is its latency. One warp running 2 blocks x 33 candidates
 // of fp64 butterflies, then a feedback chain that waited on factor rows from DRAM (a serving
-// step's factor is not in L2: the attention before it streams the whole cache), took ~63-70 us a
-// launch at any batch (H100, docs/benchmarks.md).
+// step's factor is not in L2: the attention before it streams the whole cache), took ~63 us a
+// launch at any batch; 45 us with both changes and the fast pass below (H200, docs/benchmarks.md).
 //
 // Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
 // write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
