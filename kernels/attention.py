@@ -73,7 +73,6 @@ class Fp2KernelConfig:
             "V_QUAD": int(self.v_quad),
             "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
-            "SEARCH_WARPS": self.write_warps_per_block,
         }
 
     @property
@@ -85,10 +84,10 @@ class Fp2KernelConfig:
     def build_options(self, kernel: str, search_warps: int | None = None) -> BuildOptions:
         """search_warps: attn_fp2_write's SEARCH_WARPS (default `write_warps_per_block`)."""
         keep = {
-            "attn_fp2_decode": self.defines().keys() - {"SEARCH_WARPS"},
+            "attn_fp2_decode": self.defines().keys(),
             "attn_fp2_write": ("HEAD_DIM", "K_BLOCK", "V_BLOCK", "SCALE_FMT", "V_QUAD", "SEARCH_WARPS"),
         }[kernel]
-        d = self.defines() | ({"SEARCH_WARPS": search_warps} if search_warps else {})
+        d = self.defines() | {"SEARCH_WARPS": search_warps or self.write_warps_per_block}
         extra = ("-lineinfo",)
         if kernel == "attn_fp2_decode":
             extra += (f"-maxrregcount={self.max_registers}", f"-Xptxas=--register-usage-level={self.register_usage}")
