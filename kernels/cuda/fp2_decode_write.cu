@@ -109,52 +109,118 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
 // levels (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact
 // pass is for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three
 // tests are monotone (m ascending, s > 0), so the level comes from them directly.
+// PER consecutive factor columns of one row, this lane's (lane-major: columns PER * lane + j)
+__device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __restrict__ src) {
+  if constexpr (PER % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(src + j));
+      dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
+    }
+  } else if constexpr (PER == 2) {
+    const float2 x = __ldg(reinterpret_cast<const float2*>(src));
+    dst[0] = x.x, dst[1] = x.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) dst[j] = __ldg(src + j);
+  }
+}
+
+__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+// Channels per pass of the chain's loop: whole lane groups (PER) and whole turns of the factor
+// ring (PREFETCH), so that both indices are compile-time inside it.
+constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
+static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
+
+// The chain as a loop, not unrolled over D: a warp runs it once, so its instructions come from
+// memory, not the instruction cache; fully unrolled (D steps, ~16 k instructions in the kernel) it
+// spent a third of its cycles waiting on instruction fetch (Nsight Compute, H200). Lane-major: lane
+// o holds channels PER * o + j, so PER - 1 of every PER steps find the next channel in the same
+// lane. Each lane keeps two copies: wt, every error applied as it is shuffled out (the true values,
+// in the reference's order), and wf, the group owner's own errors applied without waiting for the
+// shuffle (the chain: decide, error, update the next channel). At a group's start its owner's wf
+// is its wt, whose last error came by shuffle: one shuffle on the chain per PER channels. sh_v:
+// the row, lane-strided ([D], channel 32 i + lane at 32 i + lane); codes come back lane-strided.
 template <int BS, bool EXACT>
-__device__ __forceinline__ bool feedback_codes(float (&v)[PER], int (&code)[PER], int lane, const float* __restrict__ rows,
-                                               const float (&scale)[D / BS], const float (&m)[3], const float (&l)[4]) {
-  constexpr int NB = D / BS, SPB = BS / 32;
+__device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, int (&code)[PER], int lane,
+                                               const float* __restrict__ rows, const float (&scale)[D / BS],
+                                               const float (&m)[3], const float (&l)[4]) {
+  constexpr int NB = D / BS;
+  float wt[PER], wf[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
   float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
 #pragma unroll
-  for (int p = 0; p < PREFETCH; ++p)
-#pragma unroll
-    for (int i = 0; i < PER; ++i) ring[p][i] = __ldg(rows + p * D + 32 * i + lane);
+  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
   // The band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
   // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
+  // Per block: its scale and band bits, the current block's first. The loop moves them down one at
+  // each block boundary (an index by the loop's channel would put them in local memory).
+  float sb[NB];
   uint32_t tol_bits[NB][3];
 #pragma unroll
-  for (int b = 0; b < NB; ++b)
+  for (int b = 0; b < NB; ++b) {
+    sb[b] = scale[b];
 #pragma unroll
     for (int i = 0; i < 3; ++i)
       tol_bits[b][i] = __float_as_uint(
           fmaxf(fmaxf(scale[b] * fabsf(m[i]) * 0x1p-21f, scale[b] * 0x1p-126f * 0x1p-22f), 0x1p-125f));
-  bool near = false;
+  }
+  auto next_block = [&]() {
 #pragma unroll
-  for (int c = 0; c < D; ++c) {
-    const int i0 = c / 32, src = c % 32;
-    const float s = scale[i0 / SPB];
-    bool ge[3];
+    for (int b = 0; b + 1 < NB; ++b) {
+      sb[b] = sb[b + 1];
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-      if (!EXACT) {
-        const float r = __fmaf_rn(-s, m[i], v[i0]);
-        ge[i] = !(r < 0.f);
-        // every lane's, not only the taken lane's: one test fewer, and still rare
-        near |= (__float_as_uint(r) ^ 0x80000000u) < tol_bits[i0 / SPB][i];
-      } else {
-        ge[i] = !(__fdiv_rn(v[i0], s) < m[i]);
-      }
+      for (int i = 0; i < 3; ++i) tol_bits[b][i] = tol_bits[b + 1][i];
     }
-    if (lane == src) code[i0] = int(ge[0]) + int(ge[1]) + int(ge[2]);
-    const float lvl = ge[2] ? l[3] : ge[1] ? l[2] : ge[0] ? l[1] : l[0];
-    const float err = __shfl_sync(kFull, __fsub_rn(v[i0], __fmul_rn(lvl, s)), src);
-    // channels j <= c of slot i0 are updated too: never read again, and a branch costs more
+  };
+  bool near = false;
+  uint32_t packed = 0;  // the owner's codes, 2 bits per channel of its group
+#pragma unroll 1
+  for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
+    if constexpr (BS % CHAIN_STEP == 0) {
+      if (c0 > 0 && c0 % BS == 0) next_block();
+    }
 #pragma unroll
-    for (int i = i0; i < PER; ++i) v[i] = __fsub_rn(v[i], __fmul_rn(ring[c % PREFETCH][i], err));
-    if (c + PREFETCH < D) {
+    for (int t = 0; t < CHAIN_STEP; ++t) {
+      const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
+      const bool own = lane == o;
+      if constexpr (BS % CHAIN_STEP != 0) {
+        if (c > 0 && c % BS == 0) next_block();
+      }
+      if (j == 0) {
 #pragma unroll
-      for (int i = 0; i < PER; ++i) ring[c % PREFETCH][i] = __ldg(rows + (c + PREFETCH) * D + 32 * i + lane);
+        for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+      }
+      const float s = sb[0];
+      const uint32_t* tb = tol_bits[0];
+      bool ge[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        if (!EXACT) {
+          const float r = __fmaf_rn(-s, m[i], wf[j]);
+          ge[i] = !(r < 0.f);
+          near |= own && (__float_as_uint(r) ^ 0x80000000u) < tb[i];
+        } else {
+          ge[i] = !(__fdiv_rn(wf[j], s) < m[i]);
+        }
+      }
+      if (own) packed |= uint32_t(int(ge[0]) + int(ge[1]) + int(ge[2])) << (2 * j);
+      const float lvl = ge[2] ? l[3] : ge[1] ? l[2] : ge[0] ? l[1] : l[0];
+      const float err_own = __fsub_rn(wf[j], __fmul_rn(lvl, s));
+#pragma unroll
+      for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
+      const float err = __shfl_sync(kFull, err_own, o);
+      // every lane's channels, those <= c too (never read again; a branch costs more)
+#pragma unroll
+      for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
+      if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
   }
+  // back to lane-strided: channel 32 i + lane is field (32 i + lane) % PER of lane (32 i + lane) / PER
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    code[i] = int(__shfl_sync(kFull, packed, (32 * i + lane) / PER) >> (2 * ((32 * i + lane) % PER))) & 3;
   return near;
 }
 
@@ -167,14 +233,12 @@ __device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows
                                                   float m2, float l0, float l1, float l2, float l3,
                                                   const float* __restrict__ sh_v, const float* __restrict__ sh_scale,
                                                   int* __restrict__ sh_code) {
-  float v[PER], scale[D / BS];
+  float scale[D / BS];
   int code[PER] = {};
-#pragma unroll
-  for (int i = 0; i < PER; ++i) v[i] = sh_v[32 * i + lane];
 #pragma unroll
   for (int b = 0; b < D / BS; ++b) scale[b] = sh_scale[b];
   const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
-  feedback_codes<BS, true>(v, code, lane, rows, scale, m, l);
+  feedback_codes<BS, true>(sh_v, code, lane, rows, scale, m, l);
 #pragma unroll
   for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
 }
@@ -182,7 +246,7 @@ __device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows
 // Step 4's scales for one side (BS channels per block), run by every warp of the CTA (a
 // __syncthreads inside: the caller is uniform per CTA); v: the row, lane-strided, in every warp.
 template <int BS>
-__device__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
                              const float* __restrict__ fracs, bool mse, float (&scale)[D / BS]) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   __shared__ double share_err[NB][NUM_WARPS];
@@ -261,7 +325,7 @@ __device__ void block_scales(const float (&v)[PER], int lane, int warp, const fl
 // blocks' scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being
 // token quad_token (0..3).
 template <int BS, bool QUAD>
-__device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
+__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
                              const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
                              uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
@@ -287,8 +351,8 @@ __device__ void quantize_row(float (&v)[PER], int lane, const float* __restrict_
 #pragma unroll
       for (int b = 0; b < NB; ++b) sh_scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
     }
-    if (__any_sync(kFull, feedback_codes<BS, false>(v, code, lane, rows, scale, m, l))) {
-      __syncwarp();
+    __syncwarp();  // sh_v is read across lanes
+    if (__any_sync(kFull, feedback_codes<BS, false>(sh_v, code, lane, rows, scale, m, l))) {
       feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh_v, sh_scale, sh_code);
       __syncwarp();
 #pragma unroll
