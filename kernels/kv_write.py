@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.module import launch, load_module, ptr
+from zerodram.kernels.module import allow_shared_memory, launch, load_module, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 RULES = ("absmax", "mse")
@@ -75,6 +75,12 @@ class Fp2DecodeWrite:
         self.device = device
         with torch.cuda.device(device):
             self._kernel = load_module("fp2_decode_write", cfg.build_options()).kernel("fp2_decode_write")
+            # the CTA's head's feedback factor [D, D] fp32, staged in shared memory where it fits in
+            # 64 KB (the kernel's STAGE_ROWS: the two conditions must agree)
+            factor = 4 * cfg.head_dim * cfg.head_dim
+            self._stage = factor if factor <= 64 * 1024 else 0
+            if self._stage > 48 * 1024:
+                allow_shared_memory(self._kernel, self._stage)
 
     def __call__(
         self,
@@ -118,4 +124,5 @@ class Fp2DecodeWrite:
         )  # fmt: skip
         if Bp:
             with torch.cuda.device(self.device):
-                launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args)
+                smem = self._stage if k_rows is not None or v_rows is not None else 0
+                launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)

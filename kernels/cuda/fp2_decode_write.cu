@@ -9,7 +9,8 @@
 // grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
 //   2. every warp reads the oldest tail row (row S) into registers, lane l holding channels
-//      l + 32 i; the CTA asks L2 for the head's factor rows (step 4's feedback reads them);
+//      l + 32 i; the CTA starts copying the head's factor rows into shared memory (STAGE_ROWS,
+//      D <= 128; step 4's feedback reads them there), or asks L2 for them (larger D);
 //   3. where the row flushes, the whole CTA moves rows S + 1 .. S + W up by one (the torch body's
 //      "tail moves up"); elsewhere the tail stays and the quantized row goes to the scratch page;
 //   4. each block's scale: absmax (warp 0), or the MSE search of attn_fp2_write.cu shared by the
@@ -24,19 +25,23 @@
 //      with V_QUAD the values' codes go out as one byte per quad word instead (the quad layout,
 //      runtime/kv/pack.py): byte stores, so the other three tokens of the quad are untouched.
 //
-// Why the search is shared and the factor prefetched: a decode write is one short row per
-// (sequence, head, side), so its time is its latency. One warp running 2 blocks x 33 candidates
+// Why the search is shared, the chain a loop and the factor staged: a decode write is one short row
+// per (sequence, head, side), so its time is its latency. One warp running 2 blocks x 33 candidates
 // of fp64 butterflies, then a feedback chain that waited on factor rows from DRAM (a serving
 // step's factor is not in L2: the attention before it streams the whole cache), took ~63 us a
-// launch at any batch; 45 us with both changes and the fast pass below (H200, docs/benchmarks.md).
+// launch at any batch; 45 us with the shared search, an L2 prefetch and the fast pass below; 15.5
+// with the chain rolled into a loop (its unrolled ~16 k instructions, run once, waited on
+// instruction fetch); 13-15 with the factor copied into shared memory while the search runs (H200,
+// docs/benchmarks.md).
 //
 // Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
 // write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
-// feedback chain is sequential over D channels (one decision, one shuffle deep per channel): the
-// factor rows are loaded PREFETCH channels ahead into a register ring (the loop is unrolled so the
-// ring stays in registers), keeping the L2 latency off the chain. Padding rows all name the
-// scratch slot and page: their writes race, and nothing reads them.
+// feedback chain is sequential over D channels: the factor rows are loaded PREFETCH channels ahead
+// into a register ring, keeping the load latency off the chain. The staged factor is read only
+// after every thread's copies have landed (cp.async.wait_all, then a barrier, both after the
+// search). Padding rows all name the scratch slot and page: their writes race, and nothing reads
+// them.
 #include <cuda_bf16.h>
 
 #include "attn_fp2_common.cuh"
@@ -56,6 +61,9 @@
 #ifndef NUM_CAND
 #define NUM_CAND 33
 #endif
+// The head's factor rows staged whole in shared memory (dynamic, D * D floats) where they fit in
+// 64 KB (D <= 128); else the chain's ring loads them from L2 after a prefetch
+#define STAGE_ROWS (HEAD_DIM * HEAD_DIM * 4 <= 64 * 1024)
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout
 #endif
@@ -114,15 +122,17 @@ __device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __rest
   if constexpr (PER % 4 == 0) {
 #pragma unroll
     for (int j = 0; j < PER; j += 4) {
-      const float4 x = __ldg(reinterpret_cast<const float4*>(src + j));
+      float4 x;
+      if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float4*>(src + j);
+      else x = __ldg(reinterpret_cast<const float4*>(src + j));
       dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
     }
   } else if constexpr (PER == 2) {
-    const float2 x = __ldg(reinterpret_cast<const float2*>(src));
+    const float2 x = STAGE_ROWS ? *reinterpret_cast<const float2*>(src) : __ldg(reinterpret_cast<const float2*>(src));
     dst[0] = x.x, dst[1] = x.y;
   } else {
 #pragma unroll
-    for (int j = 0; j < PER; ++j) dst[j] = __ldg(src + j);
+    for (int j = 0; j < PER; ++j) dst[j] = STAGE_ROWS ? src[j] : __ldg(src + j);
   }
 }
 
@@ -321,6 +331,13 @@ __device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, in
   }
 }
 
+// Every thread's copies of the staged factor have landed, and warp 0 sees them (the whole CTA
+// calls it: a barrier inside).
+__device__ __forceinline__ void rows_staged() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+}
+
 // Step 4's codes and step 5 for one side, warp 0 only; v: the row, lane-strided; scale: the
 // blocks' scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being
 // token quad_token (0..3).
@@ -422,10 +439,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
   for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
   const float* rows = side == 0 ? k_rows : v_rows;  // [H, D, D], or null: nearest codes
+  extern __shared__ float4 sh_rows4[];  // [D, D] fp32 with STAGE_ROWS
   if (rows != nullptr) {
     rows += (long long)h * D * D;
-    for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
+    if constexpr (STAGE_ROWS) {
+      const uint32_t base = uint32_t(__cvta_generic_to_shared(sh_rows4));
+      for (int i = threadIdx.x; i < D * D / 4; i += NUM_THREADS)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * i), "l"(rows + 4 * i));
+      asm volatile("cp.async.commit_group;");
+      rows = reinterpret_cast<const float*>(sh_rows4);
+    } else {
+      for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
+    }
   }
   // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
   if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
@@ -436,12 +462,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   if (side == 0) {
     float scale[D / K_BLOCK];
     block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
+    if (STAGE_ROWS && rows != nullptr) rows_staged();
     if (warp == 0)
       quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
                                    k_scales + at * (D / K_BLOCK));
   } else {
     float scale[D / V_BLOCK];
     block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
+    if (STAGE_ROWS && rows != nullptr) rows_staged();
     if (warp == 0)
       quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
                                     int(prow & 3), v_scales + at * (D / V_BLOCK));
