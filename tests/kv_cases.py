@@ -19,15 +19,15 @@ FORMATS = [
 ]
 
 
-def make_cache(fmt: str, num_pages: int = 8, **kw):
+def make_cache(fmt: str, num_pages: int = 8, head_dim: int = D, **kw):
     """A cache of format `fmt` at the test sizes (H KV heads of D channels, pages of P tokens)."""
-    return make_kv_cache(fmt, num_pages=num_pages, page_size=P, num_kv_heads=H, head_dim=D, **kw)
+    return make_kv_cache(fmt, num_pages=num_pages, page_size=P, num_kv_heads=H, head_dim=head_dim, **kw)
 
 
-def kv_tokens(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_tokens(n: int, seed: int = 0, head_dim: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V whose values encode their token index (self-checking rows)."""
     gen = torch.Generator().manual_seed(seed)
     pos = torch.arange(n, dtype=torch.float32)[:, None, None]
-    k = torch.randn(n, H, D, generator=gen) + 0.01 * pos
-    v = torch.randn(n, H, D, generator=gen) - 0.01 * pos
+    k = torch.randn(n, H, head_dim, generator=gen) + 0.01 * pos
+    v = torch.randn(n, H, head_dim, generator=gen) - 0.01 * pos
     return k, v

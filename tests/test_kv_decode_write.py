@@ -72,18 +72,21 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("fmt", "device"),
+    ("fmt", "device", "d"),
     [
-        ("fp2:tail=1,window=32", "cpu"),
-        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu"),
-        pytest.param("fp2:tail=1,window=32", "cuda", marks=pytest.mark.gpu),
-        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", marks=pytest.mark.gpu),  # DEFAULT_FP2
+        ("fp2:tail=1,window=32", "cpu", D),
+        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu", D),
+        pytest.param("fp2:tail=1,window=32", "cuda", D, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", D, marks=pytest.mark.gpu),  # DEFAULT_FP2
+        # the engine's head dim: the kernel's staged factor is 64 KB there (dynamic shared memory
+        # past the 48 KB default, kernels/kv_write.py)
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", 128, marks=pytest.mark.gpu),
         pytest.param(
-            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", marks=pytest.mark.gpu
+            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, marks=pytest.mark.gpu
         ),
     ],
 )
-def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None:
+def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int) -> None:
     """The fixed-shape decode write (host plan + device write over a padded batch, what a CUDA
     graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
     flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot.
@@ -95,12 +98,12 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
 
     from zerodram.runtime.kv.decode_index import StaticDecodeIndex
 
-    a = make_cache(fmt, num_pages=24, max_seqs=6, device=device, static_kernel=False)  # the torch body
-    b = make_cache(fmt, num_pages=24, max_seqs=6, device=device)
+    a = make_cache(fmt, num_pages=24, head_dim=d, max_seqs=6, device=device, static_kernel=False)  # the torch body
+    b = make_cache(fmt, num_pages=24, head_dim=d, max_seqs=6, device=device)
     assert a._static_write is None and (b._static_write is not None) == (device == "cuda")
     if "fb=1" in fmt:
         g = torch.Generator().manual_seed(3)
-        factor = (torch.eye(D) + 0.2 * torch.randn(H, D, D, generator=g).tril(-1)).transpose(1, 2)  # upper
+        factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
         for c in (a, b):
             c.params = tuple(dataclasses.replace(p, feedback=factor) for p in c.params)
     gen = torch.Generator().manual_seed(7)
@@ -109,13 +112,13 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
         sa, sb = a.new_sequence(), b.new_sequence()
         assert sa == sb
         if n0:
-            k, v = (t.to(device) for t in kv_tokens(n0, seed=n0))
+            k, v = (t.to(device) for t in kv_tokens(n0, seed=n0, head_dim=d))
             a.append(sa, k, v)
             b.append(sb, k, v)
         seqs.append(sa)
     Bp = 8
     ix = StaticDecodeIndex.allocate(Bp, torch.device(device))
-    k_in, v_in = (torch.zeros(Bp, H, D, device=device) for _ in range(2))  # a graph's static inputs
+    k_in, v_in = (torch.zeros(Bp, H, d, device=device) for _ in range(2))  # a graph's static inputs
     graph = None
     if device == "cuda":  # the write captured once, replayed every step (what the engine does)
         ix.fill_scratch(b.scratch_slot, b.scratch_page)
@@ -130,8 +133,8 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str) -> None
             b.write_decode_static(k_in, v_in, ix)
     for step in range(70):
         live = [s for i, s in enumerate(seqs) if step < 40 or i % 2]
-        k = torch.randn(Bp, H, D, generator=gen).to(device) * 3  # rows past len(live): padding
-        v = torch.randn(Bp, H, D, generator=gen).to(device) * 3
+        k = torch.randn(Bp, H, d, generator=gen).to(device) * 3  # rows past len(live): padding
+        v = torch.randn(Bp, H, d, generator=gen).to(device) * 3
         if step % 9 == 4:  # values under FLT_MIN beside the zero midpoint: the kernel's exact pass
             k[0] *= 1e-38
             v[0] *= 1e-38
