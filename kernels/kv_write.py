@@ -36,10 +36,18 @@ class DecodeWriteConfig:
     scale_dtype: str
     v_quad: bool = False  # value pages in the quad layout (runtime/kv/pack.py)
 
+    @property
+    def factor_smem_bytes(self) -> int:
+        """Dynamic shared memory for the head's feedback factor [D, D] fp32, staged whole where it
+        fits in 64 KB (D <= 128); 0: the kernel reads it through L2 (`STAGE_ROWS` 0)."""
+        factor = 4 * self.head_dim * self.head_dim
+        return factor if factor <= 64 * 1024 else 0
+
     def build_options(self) -> BuildOptions:
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND, "V_QUAD": int(self.v_quad),
+            "STAGE_ROWS": int(self.factor_smem_bytes > 0),
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -75,12 +83,8 @@ class Fp2DecodeWrite:
         self.device = device
         with torch.cuda.device(device):
             self._kernel = load_module("fp2_decode_write", cfg.build_options()).kernel("fp2_decode_write")
-            # the CTA's head's feedback factor [D, D] fp32, staged in shared memory where it fits in
-            # 64 KB (the kernel's STAGE_ROWS: the two conditions must agree)
-            factor = 4 * cfg.head_dim * cfg.head_dim
-            self._stage = factor if factor <= 64 * 1024 else 0
-            if self._stage > 48 * 1024:
-                allow_shared_memory(self._kernel, self._stage)
+            if cfg.factor_smem_bytes > 48 * 1024:
+                allow_shared_memory(self._kernel, cfg.factor_smem_bytes)
 
     def __call__(
         self,
@@ -124,5 +128,5 @@ class Fp2DecodeWrite:
         )  # fmt: skip
         if Bp:
             with torch.cuda.device(self.device):
-                smem = self._stage if k_rows is not None or v_rows is not None else 0
+                smem = self.cfg.factor_smem_bytes if k_rows is not None or v_rows is not None else 0
                 launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)

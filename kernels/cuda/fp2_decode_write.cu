@@ -61,9 +61,12 @@
 #ifndef NUM_CAND
 #define NUM_CAND 33
 #endif
-// The head's factor rows staged whole in shared memory (dynamic, D * D floats) where they fit in
-// 64 KB (D <= 128); else the chain's ring loads them from L2 after a prefetch
-#define STAGE_ROWS (HEAD_DIM * HEAD_DIM * 4 <= 64 * 1024)
+// 1: the head's factor rows staged whole in dynamic shared memory (D * D floats, which the launch
+// provides: kernels/kv_write.py decides, D <= 128); 0: the chain's ring loads them from L2 after a
+// prefetch
+#ifndef STAGE_ROWS
+#define STAGE_ROWS 0
+#endif
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout
 #endif
@@ -78,6 +81,7 @@ constexpr int PREFETCH = 8;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256");
 static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
+static_assert(!STAGE_ROWS || D <= 128, "a staged factor of more than 64 KB (kernels/kv_write.py stages D <= 128)");
 
 // Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
 // 16-byte words, by the whole CTA (see the hazards above).
