@@ -79,8 +79,10 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         pytest.param("fp2:tail=1,window=32", "cuda", D, marks=pytest.mark.gpu),
         pytest.param("fp2:fb=1,tail=1,window=47", "cuda", D, marks=pytest.mark.gpu),  # DEFAULT_FP2
         # the engine's head dim: the kernel's staged factor is 64 KB there (dynamic shared memory
-        # past the 48 KB default, kernels/kv_write.py)
-        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", 128, marks=pytest.mark.gpu),
+        # past the 48 KB default, kernels/kv_write.py). Without the rotation: at D = 128 cuBLAS
+        # rounds x @ R differently for the torch body's len(live) rows than for the Bp rows the
+        # kernel's caller moves (seen on the H100), so the two would quantize different inputs.
+        pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, marks=pytest.mark.gpu),
         pytest.param(
             "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, marks=pytest.mark.gpu
         ),
