@@ -38,16 +38,17 @@ class DecodeWriteConfig:
 
     @property
     def factor_smem_bytes(self) -> int:
-        """Dynamic shared memory for the head's feedback factor [D, D] fp32, staged whole where it
-        fits in 64 KB (D <= 128); 0: the kernel reads it through L2 (`STAGE_ROWS` 0)."""
+        """Dynamic shared memory for the head's feedback factor [D, D] fp32 where the staged build
+        can hold it whole (64 KB at most: D <= 128); 0: only the build that reads it through L2."""
         factor = 4 * self.head_dim * self.head_dim
         return factor if factor <= 64 * 1024 else 0
 
-    def build_options(self) -> BuildOptions:
+    def build_options(self, staged: bool) -> BuildOptions:
+        """staged: the build that copies the factor into shared memory (`STAGE_ROWS`)."""
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND, "V_QUAD": int(self.v_quad),
-            "STAGE_ROWS": int(self.factor_smem_bytes > 0),
+            "STAGE_ROWS": int(staged),
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -69,7 +70,13 @@ def unsupported(
 
 
 class Fp2DecodeWrite:
-    """The compiled kernel of one config, loaded on `device` at construction (never in a capture)."""
+    """The compiled kernel of one config, loaded on `device` at construction (never in a capture).
+
+    Two builds where the factor fits in shared memory: the staged one for short grids (a launch's
+    time is one CTA's latency there, and the factor from shared memory shortens the chain), the
+    L2 one beyond `max_staged_ctas` (2 per SM), where 64 KB CTAs would take more waves than
+    the L2 build's (H100: 33.7 against 21.4 us at B = 32, 14.8 against 15.8 at B = 8;
+    docs/benchmarks.md). The choice depends on the grid only, so a captured graph keeps one."""
 
     def __init__(
         self, cfg: DecodeWriteConfig, rules: tuple[str, str], fracs: torch.Tensor, device: torch.device
@@ -82,9 +89,14 @@ class Fp2DecodeWrite:
         self.fracs = fracs.float().contiguous().to(device)  # [C]
         self.device = device
         with torch.cuda.device(device):
-            self._kernel = load_module("fp2_decode_write", cfg.build_options()).kernel("fp2_decode_write")
-            if cfg.factor_smem_bytes > 48 * 1024:
-                allow_shared_memory(self._kernel, cfg.factor_smem_bytes)
+            self._kernel = load_module("fp2_decode_write", cfg.build_options(False)).kernel("fp2_decode_write")
+            self._staged = None
+            self.max_staged_ctas = 0  # CTAs (Bp * H * 2) up to which the staged build runs
+            if cfg.factor_smem_bytes:
+                self._staged = load_module("fp2_decode_write", cfg.build_options(True)).kernel("fp2_decode_write")
+                if cfg.factor_smem_bytes > 48 * 1024:
+                    allow_shared_memory(self._staged, cfg.factor_smem_bytes)
+                self.max_staged_ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(
         self,
@@ -127,6 +139,7 @@ class Fp2DecodeWrite:
             np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip
         if Bp:
+            staged = (k_rows is not None or v_rows is not None) and Bp * H * 2 <= self.max_staged_ctas
+            kernel, smem = (self._staged, self.cfg.factor_smem_bytes) if staged else (self._kernel, 0)
             with torch.cuda.device(self.device):
-                smem = self.cfg.factor_smem_bytes if k_rows is not None or v_rows is not None else 0
-                launch(self._kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
+                launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)

@@ -72,23 +72,26 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("fmt", "device", "d"),
+    ("fmt", "device", "d", "l2"),
     [
-        ("fp2:tail=1,window=32", "cpu", D),
-        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu", D),
-        pytest.param("fp2:tail=1,window=32", "cuda", D, marks=pytest.mark.gpu),
-        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", D, marks=pytest.mark.gpu),  # DEFAULT_FP2
+        ("fp2:tail=1,window=32", "cpu", D, False),
+        ("fp2:sinks=0,tail=1,window=0,scale=e8m0", "cpu", D, False),
+        pytest.param("fp2:tail=1,window=32", "cuda", D, False, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", D, False, marks=pytest.mark.gpu),  # DEFAULT_FP2
+        # the same through the build that reads the factor from L2 (long grids)
+        pytest.param("fp2:fb=1,tail=1,window=47", "cuda", D, True, marks=pytest.mark.gpu),
         # the engine's head dim: the kernel's staged factor is 64 KB there (dynamic shared memory
         # past the 48 KB default, kernels/kv_write.py). Without the rotation: at D = 128 cuBLAS
         # rounds x @ R differently for the torch body's len(live) rows than for the Bp rows the
         # kernel's caller moves (seen on the H100), so the two would quantize different inputs.
-        pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, False, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, True, marks=pytest.mark.gpu),
         pytest.param(
-            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, marks=pytest.mark.gpu
+            "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, False, marks=pytest.mark.gpu
         ),
     ],
 )
-def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int) -> None:
+def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int, l2: bool) -> None:
     """The fixed-shape decode write (host plan + device write over a padded batch, what a CUDA
     graph captures) leaves exactly the cache `append_decode` leaves: sinks, a filling window,
     flushes, page boundaries, sequences leaving; padding rows of garbage go to the scratch slot.
@@ -103,6 +106,8 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int)
     a = make_cache(fmt, num_pages=24, head_dim=d, max_seqs=6, device=device, static_kernel=False)  # the torch body
     b = make_cache(fmt, num_pages=24, head_dim=d, max_seqs=6, device=device)
     assert a._static_write is None and (b._static_write is not None) == (device == "cuda")
+    if l2:
+        b._static_write.max_staged_ctas = 0  # every grid takes the L2 build
     if "fb=1" in fmt:
         g = torch.Generator().manual_seed(3)
         factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
