@@ -74,9 +74,10 @@ class Fp2DecodeWrite:
 
     Two builds where the factor fits in shared memory: the staged one for short grids (a launch's
     time is one CTA's latency there, and the factor from shared memory shortens the chain), the
-    L2 one beyond `max_staged_ctas` (2 per SM), where 64 KB CTAs would take more waves than
-    the L2 build's (H100: 33.7 against 21.4 us at B = 32, 14.8 against 15.8 at B = 8;
-    docs/benchmarks.md). The choice depends on the grid only, so a captured graph keeps one."""
+    L2 one beyond `max_staged_ctas` (2 per SM: a measured threshold, not a residency limit),
+    where 64 KB CTAs take more waves than the L2 build's (H100: 33.7 against 21.4 us at B = 32,
+    14.8 against 15.8 at B = 8; docs/benchmarks.md). The choice depends on the grid and on
+    whether a factor is given, both fixed for a captured graph."""
 
     def __init__(
         self, cfg: DecodeWriteConfig, rules: tuple[str, str], fracs: torch.Tensor, device: torch.device

@@ -9,8 +9,9 @@
 // grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
 //   2. every warp reads the oldest tail row (row S) into registers, lane l holding channels
-//      l + 32 i; the CTA starts copying the head's factor rows into shared memory (STAGE_ROWS,
-//      D <= 128; step 4's feedback reads them there), or asks L2 for them (larger D);
+//      l + 32 i; the CTA starts copying the head's factor rows into shared memory (the staged
+//      build, STAGE_ROWS: D <= 128 and short grids; step 4's feedback reads them there), or asks
+//      L2 for them (the L2 build);
 //   3. where the row flushes, the whole CTA moves rows S + 1 .. S + W up by one (the torch body's
 //      "tail moves up"); elsewhere the tail stays and the quantized row goes to the scratch page;
 //   4. each block's scale: absmax (warp 0), or the MSE search of attn_fp2_write.cu shared by the
@@ -108,6 +109,36 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
+// PER consecutive factor columns of one row, this lane's (lane-major: columns PER * lane + j)
+__device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __restrict__ src) {
+  if constexpr (PER % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) {
+      float4 x;
+      if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float4*>(src + j);
+      else x = __ldg(reinterpret_cast<const float4*>(src + j));
+      dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
+    }
+  } else if constexpr (PER == 2) {
+    float2 x;
+    if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float2*>(src);
+    else x = __ldg(reinterpret_cast<const float2*>(src));
+    dst[0] = x.x, dst[1] = x.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if constexpr (STAGE_ROWS) dst[j] = src[j];
+      else dst[j] = __ldg(src + j);
+    }
+  }
+}
+
+__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+// Channels per pass of the chain's loop: whole lane groups (PER) and whole turns of the factor
+// ring (PREFETCH), so that both indices are compile-time inside it.
+constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
+static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
+
 // Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
 // over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
 // midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
@@ -121,31 +152,7 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
 // levels (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact
 // pass is for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three
 // tests are monotone (m ascending, s > 0), so the level comes from them directly.
-// PER consecutive factor columns of one row, this lane's (lane-major: columns PER * lane + j)
-__device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __restrict__ src) {
-  if constexpr (PER % 4 == 0) {
-#pragma unroll
-    for (int j = 0; j < PER; j += 4) {
-      float4 x;
-      if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float4*>(src + j);
-      else x = __ldg(reinterpret_cast<const float4*>(src + j));
-      dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
-    }
-  } else if constexpr (PER == 2) {
-    const float2 x = STAGE_ROWS ? *reinterpret_cast<const float2*>(src) : __ldg(reinterpret_cast<const float2*>(src));
-    dst[0] = x.x, dst[1] = x.y;
-  } else {
-#pragma unroll
-    for (int j = 0; j < PER; ++j) dst[j] = STAGE_ROWS ? src[j] : __ldg(src + j);
-  }
-}
-
-__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
-// Channels per pass of the chain's loop: whole lane groups (PER) and whole turns of the factor
-// ring (PREFETCH), so that both indices are compile-time inside it.
-constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
-static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
-
+//
 // The chain as a loop, not unrolled over D: a warp runs it once, so its instructions come from
 // memory, not the instruction cache; fully unrolled (D steps, ~16 k instructions in the kernel) it
 // spent a third of its cycles waiting on instruction fetch (Nsight Compute, H200). Lane-major: lane
@@ -438,7 +445,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   __syncthreads();
 
   // 2. the oldest tail row, lane-strided, into every warp (the search is shared); the head's factor
-  // rows asked of L2 now, so that the chain's register ring loads them from there, not from DRAM
+  // rows copied into shared memory (staged build) or asked of L2 (L2 build) now, so that the
+  // chain's register ring does not wait on DRAM
   float v[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
