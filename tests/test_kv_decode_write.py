@@ -86,6 +86,9 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         # kernel's caller moves (seen on the H100), so the two would quantize different inputs.
         pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, False, marks=pytest.mark.gpu),
         pytest.param("fp2:fb=1,tail=1,window=47,rot=0", "cuda", 128, True, marks=pytest.mark.gpu),
+        # feedback on the keys only: the launch stages the factor for the K side's CTAs, the V
+        # side's have none
+        pytest.param("fp2:kfb=1,tail=1,window=47", "cuda", D, False, marks=pytest.mark.gpu),
         pytest.param(
             "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, False, marks=pytest.mark.gpu
         ),
@@ -160,6 +163,21 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int,
     assert not make_cache("fp2:tail=4,window=8").static_decode_ok
     with pytest.raises(ConfigError, match="flush 1"):
         make_cache("fp2:tail=4,window=8").plan_decode_static([])
+
+
+@pytest.mark.parametrize(("d", "blocks"), [(64, (32, 64)), (96, (32, 32)), (128, (64, 64)), (256, (64, 64))])
+def test_decode_write_builds_compile(d: int, blocks: tuple[int, int]) -> None:
+    """Both builds of the decode-write kernel (factor staged in shared memory, or read through L2)
+    compile at head dims whose chains differ (NVRTC; no GPU needed): D = 96 runs 24-channel passes
+    that 32-channel blocks straddle, D = 256 has only the L2 build (its factor, 256 KB, cannot be
+    staged)."""
+    from zerodram.kernels.jit import compile_cubin
+    from zerodram.kernels.kv_write import DecodeWriteConfig
+
+    cfg = DecodeWriteConfig(d, *blocks, "e4m3")
+    assert (cfg.factor_smem_bytes > 0) == (d <= 128)
+    for staged in (False, True) if cfg.factor_smem_bytes else (False,):
+        assert compile_cubin("fp2_decode_write", cfg.build_options(staged))
 
 
 def test_mirrored_decode_plan_equals_planning_every_layer() -> None:
