@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.module import launch, load_module, ptr
+from zerodram.kernels.module import launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
@@ -137,7 +137,7 @@ class Fp2Kernels:
 
     @cached_property
     def _num_sms(self) -> int:
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        return num_sms(torch.cuda.current_device())
 
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""

@@ -11,7 +11,6 @@ current stream, with no host sync: capturable in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
@@ -42,11 +41,6 @@ def _i(v: int) -> np.int32:
 
 def _l(v: int) -> np.int64:
     return np.int64(v)
-
-
-@cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -95,10 +89,10 @@ class DispatchKernels:
         logits: torch.Tensor | None = None,  # [T, E] fp32
         gate_weight: torch.Tensor | None = None,  # [E, D] bf16
     ) -> None:
-        from zerodram.kernels.module import launch
+        from zerodram.kernels.module import launch, num_sms
 
         T, D = x.shape
-        grid = max(1, min(T, 2 * _num_sms(x.device.index)))  # >= 1 block even at T == 0: it signals
+        grid = max(1, min(T, 2 * num_sms(x.device.index)))  # >= 1 block even at T == 0: it signals
         args = (
             _p(x), _p(gate_weight), _p(logits), _p(topk_idx), _p(topk_weight),
             _i(T), _i(D), _i(num_experts), _i(topk_idx.shape[1]), _i(route_mode), _i(scoring),
@@ -180,10 +174,10 @@ class DispatchKernels:
         ring_peers: torch.Tensor,
         done_blocks: torch.Tensor,
     ) -> None:
-        from zerodram.kernels.module import launch
+        from zerodram.kernels.module import launch, num_sms
 
         N, D = expert_out.shape
-        grid = max(1, min(N, 2 * _num_sms(expert_out.device.index)))
+        grid = max(1, min(N, 2 * num_sms(expert_out.device.index)))
         args = (
             _p(expert_out), _p(recv_src_rank), _p(recv_src_idx), _p(recv_num_rows), _p(peer_base),
             _l(off_comb), _l(off_comb_flag), _i(D), _i(world_size), _i(rank), _p(ring_peers), _p(done_blocks),
@@ -206,7 +200,7 @@ class DispatchKernels:
         topk_weight: torch.Tensor,
         out: torch.Tensor,  # [T, D] bf16
     ) -> None:
-        from zerodram.kernels.module import launch
+        from zerodram.kernels.module import launch, num_sms
 
         T, D = out.shape
         if T == 0:
@@ -216,5 +210,5 @@ class DispatchKernels:
             _i(T), _i(topk_idx.shape[1]), _i(D), _p(out),
         )  # fmt: skip
         launch(
-            self._c.kernel("moe_combine_reduce"), (min(T, 4 * _num_sms(out.device.index)),), (THREADS,), args
+            self._c.kernel("moe_combine_reduce"), (min(T, 4 * num_sms(out.device.index)),), (THREADS,), args
         )

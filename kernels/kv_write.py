@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.module import allow_shared_memory, launch, load_module, ptr
+from zerodram.kernels.module import allow_shared_memory, launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 RULES = ("absmax", "mse")
@@ -97,7 +97,7 @@ class Fp2DecodeWrite:
                 self._staged = load_module("fp2_decode_write", cfg.build_options(True)).kernel("fp2_decode_write")
                 if cfg.factor_smem_bytes > 48 * 1024:
                     allow_shared_memory(self._staged, cfg.factor_smem_bytes)
-                self.max_staged_ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+                self.max_staged_ctas = 2 * num_sms(torch.cuda.current_device())
 
     def __call__(
         self,

@@ -71,6 +71,12 @@ def load_module(name: str, opts: BuildOptions | None = None) -> KernelModule:
     return _load(name, opts or BuildOptions(), torch.cuda.current_device())
 
 
+@cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (the unit the grid-size choices count in)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def ptr(t: torch.Tensor) -> np.uint64:
     """A tensor's device address as the kernel's pointer argument."""
     return np.uint64(t.data_ptr())
