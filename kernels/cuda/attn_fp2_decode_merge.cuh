@@ -186,10 +186,7 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   // A thread per (head, 4 channels) walks the partials in chunks of kMergeChunk float4 loads, all
   // of a chunk in flight whatever n is (predicated: a partial past n is not read and weighs 0; an
   // unrolled loop over n would run a short row's partials through its remainder, one at a time).
-  // Each chunk is a round trip to L2 at the end of the kernel: 25 takes a row of up to 50 partials
-  // (the H200's plan at B = 1, L = 128k has 49) in two instead of four, and keeps the kernel's
-  // registers (158, NVRTC 13.0; 28 takes 168, 32 takes 191 and costs the third CTA per SM).
-  constexpr int kMergeChunk = 25;
+  constexpr int kMergeChunk = 16;
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
