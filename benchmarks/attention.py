@@ -16,7 +16,8 @@ path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel
 sequence (decode append) and a 32-token tail flush per sequence, alone, and the append's added
 time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
 and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
-window, the leaving row rounded with error feedback into its page, kernels/kv_write.py).
+window, the leaving row rounded with error feedback into its page, kernels/kv_write.py), also run
+inside the decode kernel (`fused1_ms`, `fused1_added_ms` over `fp2_ms`; `--no-fused` skips it).
 
 Every timed FP2 variant is also checked: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
@@ -37,13 +38,14 @@ HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
 CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
 
 
-def check_rel_err(att, q, layer, batch, L: int, num_splits: int | None) -> float:
-    """The worst relative error of the module's output over the first and the last sequence against
-    `reference_decode` (each sequence alone: the reference dequantizes its pages to fp32, ~1 GB at
-    L = 128k)."""
+def check_rel_err(att, q, layer, batch, L: int, num_splits: int | None, out=None) -> float:
+    """The worst relative error of the module's output (or `out`, computed already) over the first
+    and the last sequence against `reference_decode` (each sequence alone: the reference
+    dequantizes its pages to fp32, ~1 GB at L = 128k)."""
     from zerodram.runtime.attention import DecodeBatch, reference_decode
 
-    out = att(q, layer, batch, max_len=L, num_splits=num_splits)
+    if out is None:
+        out = att(q, layer, batch, max_len=L, num_splits=num_splits)
     worst = 0.0
     for b in sorted({0, q.shape[0] - 1}):
         one = DecodeBatch(
@@ -77,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
+    p.add_argument("--no-fused", action="store_true", help="skip the decode with the engine's append inside")
 
 
 def _case(
@@ -139,7 +142,7 @@ def _case(
                 print(f"# CHECK FAILED: B={B} L={L} {tag}: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
             if "fp2_ms" not in row or ms < row["fp2_ms"]:
                 row["fp2_ms"], row["fp2_config"], row["splits"] = ms, tag, splits
-                best, best_layer, best_forced = att, vl_layer, forced
+                best, best_layer, best_forced, best_cfg = att, vl_layer, forced, (warps, stages, min_blocks)
     if "fp2_ms" not in row:
         raise SystemExit(f"B={B} L={L}: every --splits count exceeds the workspace; nothing was timed")
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
@@ -171,14 +174,18 @@ def _case(
             row["write1_added_ms"] = max(0.0, both - row["fp2_ms"])
             # The engine's own append (DEFAULT_FP2: a bf16 window, the leaving row rounded with
             # error feedback): kernels/kv_write.py's kernel on the same pools, every row flushing
-            ewrite = _engine_write(B, best_layer, batch, gen)
-            row["ewrite1_ms"] = median_ms(ewrite, 10, flush)
+            write, wargs = _engine_write(B, best_layer, batch, gen)
+            row["ewrite1_ms"] = median_ms(lambda write=write, wargs=wargs: write(*wargs), 10, flush)
             both = median_ms(
-                lambda ewrite=ewrite: (ewrite(), best(q, best_layer, batch, max_len=L, num_splits=best_forced)),
+                lambda write=write, wargs=wargs: (
+                    write(*wargs), best(q, best_layer, batch, max_len=L, num_splits=best_forced)
+                ),
                 args.reps,
                 flush,
             )
             row["ewrite1_added_ms"] = max(0.0, both - row["fp2_ms"])
+            if not args.no_fused:
+                _fused_append(row, B, L, q, best, best_cfg, best_layer, batch, best_forced, write, wargs, args, flush)
     if not args.no_fp16:
         k = torch.randn(B, HKV, L + HP, D, device=dev, dtype=torch.float16, generator=gen)
         v = torch.randn_like(k)
@@ -209,7 +216,7 @@ def _engine_write(B: int, layer, batch, gen):
                           v_quad=layer.v_layout == "quad"),
         (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev,
     )  # fmt: skip
-    hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
+    hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]  # [B + 1, H, R, D]
     y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
     eye = torch.eye(D, device=dev)
     rows = [eye + 0.1 * torch.randn(HKV, D, D, device=dev, generator=gen).triu(1) for _ in range(2)]  # [H, D, D]
@@ -218,10 +225,46 @@ def _engine_write(B: int, layer, batch, gen):
     ones = torch.ones(B, dtype=torch.long, device=dev)
     # StaticDecodeIndex's rows: slot b, the arriving row S + W, flush, the page and page row written
     index = torch.stack([torch.arange(B, device=dev), ones * (sinks + window), ones, page, f % P]).contiguous()
-    return lambda: write(
+    return write, (
         y[0], y[1], index, hp[0], hp[1], layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales,
         layer.levels[:4], layer.levels[4:], rows[0], rows[1], sinks, window,
     )  # fmt: skip
+
+
+def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, wargs, args, flush) -> None:
+    """The engine's append inside the decode (`fused_append`, docs/fp2-kernel.md "The append inside
+    the decode"): the best config's fused build over the same pages, its bf16 CTAs writing
+    `_engine_write`'s rows first (every row flushing into its last FP2 slot, which the splits then
+    stop before). `fused1_ms` against `fp2_ms` plus `ewrite1_added_ms`; its bf16 region is the
+    write's (sinks + window rows, plus the flushed one) instead of the decode's 36 tokens. Checked
+    like the other variants: one more call, then the reference over the written cache."""
+    import torch
+
+    from zerodram.runtime.attention import DecodeBatch, Fp2DecodeAttention
+    from zerodram.runtime.metrics.devtime import median_ms
+
+    warps, stages, min_blocks = best_cfg
+    att = Fp2DecodeAttention(
+        num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L, device="cuda",
+        num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=best.key_s8, v_layout=layer.v_layout,
+        fused_append=True,
+    )  # fmt: skip
+    hp_k, hp_v, sinks, window = wargs[3], wargs[4], wargs[-2], wargs[-1]
+    dev = q.device
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
+    before = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
+    append = write.fused(*wargs)
+    row["fused1_ms"] = median_ms(
+        lambda: att(q, layer, before, max_len=L, num_splits=forced, append=append), args.reps, flush
+    )
+    row["fused1_added_ms"] = row["fused1_ms"] - row["fp2_ms"]
+    after = DecodeBatch(batch.block_table, batch.fp2_len, hp_k, hp_v, hp_len, slots)
+    att(q, layer, before, max_len=L, num_splits=forced, append=append)  # one more step: its output is checked
+    err = check_rel_err(att, q, layer, after, L, forced, out=att.out[:B].clone())
+    row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
+    if err > CHECK_TOL:
+        print(f"# CHECK FAILED: B={B} L={L} fused append: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
         f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
+        f" {'+fused1 us':>10}"
     )
     for r in rows:
         print(
@@ -270,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
-            f" {1e3 * r['ewrite1_added_ms']:>11.1f}"
+            f" {1e3 * r['ewrite1_added_ms']:>11.1f} {1e3 * r.get('fused1_added_ms', nan):>10.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)
     print(f"output check: worst relative error {worst:.2e} against reference_decode (tolerance {CHECK_TOL})")

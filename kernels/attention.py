@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
+from zerodram.kernels.kv_write import NUM_CAND, FusedAppend
 from zerodram.kernels.module import launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
@@ -52,6 +53,10 @@ class Fp2KernelConfig:
     # of both halves running both (attn_fp2_decode_compute.cuh, kHalf); no effect otherwise.
     half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
+    # The engine's decode write inside the decode (FUSED_WRITE: each row's bf16 CTA appends the new
+    # token first; attn_fp2_decode.cu, fused_append). The write's format constraints apply
+    # (kernels/kv_write.py `unsupported`): blocks multiples of 32, 4 warps.
+    fused_write: bool = False
     # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
     # CTA) where the grid is short (a decode append: a latency chain, one warp walking all 33 was
     # most of its time); a grid of more than two CTAs per SM (a prefill chunk, a tail flush) is a
@@ -73,6 +78,8 @@ class Fp2KernelConfig:
             "V_QUAD": int(self.v_quad),
             "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
+            "FUSED_WRITE": int(self.fused_write),
+            "NUM_CAND": NUM_CAND,
         }
 
     @property
@@ -173,8 +180,14 @@ class Fp2Kernels:
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
         timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
+        append: FusedAppend | None = None,  # with cfg.fused_write: the rows' decode writes, done first
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
+        if append is not None and (not self.cfg.fused_write or append.rows != B):
+            raise ValueError(
+                f"a fused append of {append.rows} rows to a decode of {B} rows, in a build "
+                f"{'with' if self.cfg.fused_write else 'without'} FUSED_WRITE"
+            )
         S = o_part.shape[2]
         smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
         if num_splits >= S or smem > 48 * 1024:
@@ -191,6 +204,7 @@ class Fp2Kernels:
             ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
             np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),
             ptr(timeline) if timeline is not None else np.uint64(0),
+            *(append.args if append is not None else FusedAppend.NONE),
         )  # fmt: skip
         launch(
             # one dimension, the splits first (attn_fp2_decode.cu): the bf16 CTAs take what is left

@@ -13,6 +13,7 @@ layouts when it sets them, and calls it with fixed-shape device tensors: no allo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -69,6 +70,21 @@ def unsupported(
     return None
 
 
+@dataclass(frozen=True)
+class FusedAppend:
+    """A decode write handed to the decode-attention kernel's FUSED_WRITE build instead of launched
+    (kernels/attention.py): `args` in the order of attn_fp2_decode's ap_* parameters (AppendArgs),
+    `rows` the batch rows it writes (the decode's B). `keep` holds the tensors behind the raw
+    pointers in `args` that nothing else holds (the stored-space tokens): freed before the launch,
+    their memory would go to the next allocation on the stream, or inside a graph capture to a later
+    node's, and the kernel would read that instead."""
+
+    args: tuple
+    rows: int
+    keep: tuple = ()
+    NONE: ClassVar[tuple] = (np.uint64(0),) * 14 + (np.int32(0),) * 3  # no append (null index)
+
+
 class Fp2DecodeWrite:
     """The compiled kernel of one config, loaded on `device` at construction (never in a capture).
 
@@ -117,6 +133,25 @@ class Fp2DecodeWrite:
         num_sinks: int,
         window: int,
     ) -> None:
+        args = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
+                          k_rows, v_rows, num_sinks, window)  # fmt: skip
+        Bp, H = yk.shape[:2]
+        if Bp:
+            staged = (k_rows is not None or v_rows is not None) and Bp * H * 2 <= self.max_staged_ctas
+            kernel, smem = (self._staged, self.cfg.factor_smem_bytes) if staged else (self._kernel, 0)
+            with torch.cuda.device(self.device):
+                launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
+
+    def fused(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
+              k_rows, v_rows, num_sinks: int, window: int) -> FusedAppend:  # fmt: skip
+        """The same write (`__call__`'s arguments) for the decode kernel to run in its bf16 CTAs."""
+        a = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
+                       k_rows, v_rows, num_sinks, window)  # fmt: skip
+        # the write kernel's order less hp_rows and page_size (the decode kernel has its own)
+        return FusedAppend(args=a[:5] + a[6:10] + a[11:], rows=yk.shape[0], keep=(yk, yv, index))
+
+    def _args(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
+              k_rows, v_rows, num_sinks: int, window: int) -> tuple:  # fmt: skip
         # The per-call inputs; the cache's own tensors were checked when it set them. Bp is the
         # grid and the stride between index rows: a mismatch would write through wrong rows.
         Bp, H, D = yk.shape
@@ -133,14 +168,9 @@ class Fp2DecodeWrite:
                 raise ValueError(f"{name} must be contiguous {dtype} {list(shape)} on {self.device}, got "
                                  f"{t.dtype} {list(t.shape)} on {t.device}")  # fmt: skip
         opt = lambda t: np.uint64(0) if t is None else ptr(t)  # noqa: E731
-        args = (
+        return (
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
             ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
             ptr(k_levels), ptr(v_levels), ptr(self.fracs), opt(k_rows), opt(v_rows),
             np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip
-        if Bp:
-            staged = (k_rows is not None or v_rows is not None) and Bp * H * 2 <= self.max_staged_ctas
-            kernel, smem = (self._staged, self.cfg.factor_smem_bytes) if staged else (self._kernel, 0)
-            with torch.cuda.device(self.device):
-                launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)

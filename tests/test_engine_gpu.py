@@ -323,6 +323,27 @@ def test_gpu_engine_over_two_nvshmem_ranks_replays_graphs() -> None:
         _agree_to_a_near_tie(f"2 NVSHMEM ranks, graphs vs eager, {kv}", graphs, eager, 0.01)
 
 
+@pytest.mark.parametrize("kv", [FP2_SPEC, "default"])
+def test_gpu_fused_append_gives_the_two_kernel_tokens(kv: str) -> None:
+    """EngineConfig.fused_append: the whole-step graphs with each layer's KV write inside its
+    decode kernel give the tokens of the same graphs with the write as a kernel of its own, on
+    SmolLM2's shape with random weights (FP2_SPEC, and the default format calibrated with error
+    feedback); prompts in their sinks, filling the window and flushing. To rounding, not to the
+    bit: the fused step's FP2 ranges stop one token short where a row flushes, so a step may take
+    another length bucket and split plan, and greedy tokens may part at a near-tie (the same bound
+    as graphs against eager decode above)."""
+    from zerodram.runtime.kv.format import DEFAULT_FP2
+
+    kv = DEFAULT_FP2 if kv == "default" else kv
+    model = "random:smollm2-135m"
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (90, 60, 3)]
+    two, _ = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True)
+    one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=True)
+    assert engine.attn.decode.fuses_append and any(s.whole for s in engine.graphs.steps.values())
+    assert _compare(f"{kv} fused append vs two kernels", one, two) >= 0.9
+
+
 def test_gpu_engine_with_the_default_format_calibrates_and_serves() -> None:
     """What `zerodram generate` now does on a GPU: the default FP2 format calibrated at start (the
     error-feedback factors from a prefill), the fused decode, CUDA graphs as `--cuda-graphs auto`

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_cases import FORMATS, D, H, kv_tokens, make_cache
+from kv_cases import FORMATS, D, H, P, kv_tokens, make_cache
 
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.errors import KVInputError
@@ -163,6 +163,117 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int,
     assert not make_cache("fp2:tail=4,window=8").static_decode_ok
     with pytest.raises(ConfigError, match="flush 1"):
         make_cache("fp2:tail=4,window=8").plan_decode_static([])
+
+
+def _decode_batch(cache, live: list[int], Bp: int, *, before_append: bool):
+    """The decode metadata of a padded step (Bp rows, the first len(live) real) after its write: FP2
+    and bf16 counts per row (`before_append`: the FP2 count before the write, as the fused kernel
+    takes it), block-table rows; padding rows attend to one scratch-slot token."""
+    from zerodram.runtime.attention import DecodeBatch
+
+    rule, dev = cache.rule, cache.device
+    lens = [cache.seq_len(s) for s in live]
+    fp2 = [rule.num_quantized(n - before_append) for n in lens] + [0] * (Bp - len(live))
+    hp = [n - rule.num_quantized(n) for n in lens] + [1] * (Bp - len(live))
+    table = torch.zeros(Bp, cache.tables.max_pages_per_seq, dtype=torch.int32)
+    for b, s in enumerate(live):
+        table[b, : len(cache.tables.pages[s])] = torch.tensor(cache.tables.pages[s], dtype=torch.int32)
+    i32 = {"dtype": torch.int32, "device": dev}
+    slots = [*live, *[cache.scratch_slot] * (Bp - len(live))]
+    return DecodeBatch(
+        table.to(dev), torch.tensor(fp2, **i32), cache.hp_k, cache.hp_v, torch.tensor(hp, **i32),
+        torch.tensor(slots, **i32),
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("fmt", "d", "group"),
+    [
+        ("fp2:fb=1,tail=1,window=47", 128, 4),  # DEFAULT_FP2 at the engine's head dim (quad values)
+        ("fp2:fb=1,tail=1,window=47", 64, 8),
+        ("fp2:kfb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", 64, 1),
+    ],
+)
+def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> None:
+    """The decode kernel's fused build, running each row's decode write in its bf16 CTA before it
+    attends, leaves the cache the write kernel leaves (bytes) and returns what the write kernel
+    followed by the plain decode kernel returns (within the attention tests' 3e-3 of each other,
+    and of the FP2 reference after the last step): rows in their sinks, filling the window and
+    flushing, page boundaries, rows leaving, padding rows, 60 steps with fresh random tokens."""
+    import dataclasses
+
+    from attention_cases import rel_error
+
+    from zerodram.runtime.attention import Fp2DecodeAttention, layer_from_cache, reference_decode
+    from zerodram.runtime.kv.decode_index import StaticDecodeIndex
+
+    a, b = (make_cache(fmt, num_pages=24, head_dim=d, max_seqs=6, device="cuda") for _ in range(2))
+    spec = a.spec
+    g = torch.Generator().manual_seed(11)
+    factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
+    for c in (a, b):  # a random factor where the format feeds errors back (calibration's shape)
+        c.params = tuple(
+            dataclasses.replace(p, feedback=factor) if side.feedback else p
+            for side, p in zip((spec.k, spec.v), c.params, strict=True)
+        )
+    shape = {
+        "num_q_heads": H * group, "num_kv_heads": H, "head_dim": d, "page_size": a.page_size,
+        "k_block": spec.k.block_size, "v_block": spec.v.block_size, "scale_dtype": spec.k.scale_dtype,
+        "max_batch": 8, "max_fp2_tokens": a.num_pages * a.page_size, "device": "cuda", "v_layout": a.v.layout,
+    }  # fmt: skip
+    atts = [Fp2DecodeAttention(**shape, fused_append=fused) for fused in (False, True)]
+    gen = torch.Generator().manual_seed(13)
+    seqs = []
+    for n0 in (0, 3, 31, 46, 63, 130):
+        sa, sb = a.new_sequence(), b.new_sequence()
+        assert sa == sb
+        if n0:
+            k, v = (t.cuda() for t in kv_tokens(n0, seed=n0, head_dim=d))
+            a.append(sa, k, v)
+            b.append(sb, k, v)
+        seqs.append(sa)
+    Bp = 8
+    ixa, ixb = (StaticDecodeIndex.allocate(Bp, torch.device("cuda")) for _ in range(2))
+    worst = 0.0
+    for step in range(60):
+        live = [s for i, s in enumerate(seqs) if step < 30 or i % 2]
+        k = torch.randn(Bp, H, d, generator=gen).cuda() * 3  # rows past len(live): padding
+        v = torch.randn(Bp, H, d, generator=gen).cuda() * 3
+        q = torch.randn(Bp, H * group, d, generator=gen).cuda()
+        ixa.fill(a.plan_decode_static(live), a.scratch_slot, a.scratch_page)
+        ixb.fill(b.plan_decode_static(live), b.scratch_slot, b.scratch_page)
+        a.write_decode_static(k, v, ixa)
+        out_a = atts[0](q, layer_from_cache(a), _decode_batch(a, live, Bp, before_append=False))
+        append = b.fused_append(k, v, ixb)
+        out_b = atts[1](q, layer_from_cache(b), _decode_batch(b, live, Bp, before_append=True), append=append)
+        n = len(live)
+        worst = max(worst, rel_error(out_b[:n], out_a[:n]))
+    assert worst <= 3e-3, worst
+    for ta, tb in zip(_state(a), _state(b), strict=True):
+        assert torch.equal(ta, tb)
+    ref = reference_decode(
+        q[:n], layer_from_cache(b), _decode_batch(b, live, n, before_append=False), atts[1].softmax_scale, spec.k.scale_dtype
+    )
+    assert rel_error(out_b[:n], ref) <= 3e-3
+
+
+@pytest.mark.parametrize(("d", "group"), [(128, 4), (64, 8)])
+def test_fused_append_build_compiles(d: int, group: int) -> None:
+    """The decode kernel's FUSED_WRITE build (the write inside its bf16 CTAs) compiles with NVRTC, no
+    GPU needed, at both head dims the decode takes; off a GPU the module refuses it (the write and
+    the reference decode run apart there)."""
+    from zerodram.kernels.attention import Fp2KernelConfig
+    from zerodram.kernels.jit import compile_cubin
+    from zerodram.runtime.attention import Fp2DecodeAttention
+
+    cfg = Fp2KernelConfig(head_dim=d, group=group, key_s8=True, v_quad=True, fused_write=True)
+    assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))
+    with pytest.raises(ConfigError, match="fused_append"):
+        Fp2DecodeAttention(
+            num_q_heads=H * group, num_kv_heads=H, head_dim=d, page_size=P, max_batch=2, max_fp2_tokens=256,
+            fused_append=True,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(("d", "blocks"), [(64, (32, 64)), (96, (32, 32)), (128, (64, 64)), (256, (64, 64))])

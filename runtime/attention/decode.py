@@ -9,6 +9,7 @@ size, HP bf16 tokens per sequence, S split slots.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.pack import CodeLayout
+
+if TYPE_CHECKING:
+    from zerodram.kernels.kv_write import FusedAppend
 
 
 class Fp2DecodeAttention:
@@ -39,6 +43,8 @@ class Fp2DecodeAttention:
             `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
+        fused_append: a kernel build whose bf16 CTAs can run the engine's decode write first
+            (`__call__`'s `append`; docs/fp2-kernel.md, "The append inside the decode"); GPU only.
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -65,6 +71,7 @@ class Fp2DecodeAttention:
         v_layout: CodeLayout = "token",
         timeline: bool = False,
         value_product: str = "exact",
+        fused_append: bool = False,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -91,6 +98,14 @@ class Fp2DecodeAttention:
         if value_product != "exact" and canonical_device(device).type == "cuda":
             raise ConfigError(f"value_product {value_product!r} is a CPU emulation: no kernel computes it yet")
         self.value_product = value_product
+        if fused_append and canonical_device(device).type != "cuda":
+            raise ConfigError("fused_append is a kernel build: on CPU the write and the reference run apart")
+        if fused_append and (num_warps != 4 or k_block % 32 or v_block % 32):
+            raise ConfigError(
+                f"fused_append runs the decode write's 128-thread CTA over blocks of multiples of 32 channels, "
+                f"not {num_warps} warps and blocks ({k_block}, {v_block})"
+            )
+        self.fused_append = fused_append
         if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
             key_s8 = k_block >= 64
         if key_s8 and k_block < 64:
@@ -114,7 +129,7 @@ class Fp2DecodeAttention:
 
             cfg = Fp2KernelConfig(
                 head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
-                v_quad=v_layout == "quad", timeline=timeline,
+                v_quad=v_layout == "quad", timeline=timeline, fused_write=fused_append,
             )  # fmt: skip
             self.kernels = Fp2Kernels(cfg)
             self.kernels.load()
@@ -253,6 +268,7 @@ class Fp2DecodeAttention:
         batch: DecodeBatch,
         max_len: int | None = None,
         num_splits: int | None = None,
+        append: FusedAppend | None = None,
     ) -> torch.Tensor:
         """Attention of q [B, Hq, D] (stored key space) -> [B, Hq, D] fp32 (stored value space).
 
@@ -263,8 +279,16 @@ class Fp2DecodeAttention:
         `benchmarks/attention.py --splits`); at most the workspace's max_splits. The reference
         (CPU) does not split. On GPU the result is a view of a preallocated buffer, overwritten by
         the next call.
+        append: with `fused_append`, the step's decode write of every row (the cache's
+        `fused_append`), run by the rows' bf16 CTAs before they attend; batch.fp2_len is then the
+        FP2 length before the write (one less where a row flushes) and hp_len the bf16 tokens after
+        it, and the output is that of the write followed by this call on the written cache.
         """
         self.check(q, layer, batch)
+        if append is not None and not self.fused_append:
+            raise KVInputError("a fused append needs the module built with fused_append=True")
+        if append is not None and append.rows != q.shape[0]:
+            raise KVInputError(f"a fused append of {append.rows} rows to a decode of {q.shape[0]} rows")
         if num_splits is not None and num_splits < 1:
             raise KVInputError(f"num_splits must be at least 1, got {num_splits}")
         if not self.on_gpu:
@@ -280,6 +304,6 @@ class Fp2DecodeAttention:
         self.kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
             layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
-            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline,
+            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline, append,
         )  # fmt: skip
         return out

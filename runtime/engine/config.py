@@ -23,7 +23,10 @@ class EngineConfig:
     "none", or a file saved earlier; kv_calibration_tokens: prefill length of "auto";
     kv_calibration_save: write the constants there (runtime/engine/calibration.py).
     decode_value_product: how the fused FP2 decode's weights meet the values: "exact", or "e4m3",
-    a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py)."""
+    a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py).
+    fused_append: a GPU whole-step graph runs each layer's KV write inside its decode kernel
+    instead of as a launch before it (docs/fp2-kernel.md, "The append inside the decode"; off
+    until it has been measured in the engine; ignored on CPU and without CUDA graphs)."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -36,6 +39,7 @@ class EngineConfig:
     kv_calibration_tokens: int = CALIB_TOKENS
     kv_calibration_save: str | None = None
     decode_value_product: str = "exact"
+    fused_append: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:

@@ -92,13 +92,23 @@ class Fp2FusedDecode:
         scale: softmax scale (the one PagedAttention's SDPA uses).
         max_batch: most decode sequences in one step (the scheduler's max_num_seqs).
         value_product: `Fp2DecodeAttention`'s ("exact"; "e4m3" is a CPU emulation for kernel design).
+        fused_append: on a GPU, the whole-step graph's KV write runs inside the decode kernel
+            (`static_call`'s append; docs/fp2-kernel.md, "The append inside the decode"). Ignored on
+            CPU, where the write and the reference decode run apart as always.
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
     """
 
     def __init__(
-        self, kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact"
+        self,
+        kv,
+        *,
+        num_q_heads: int,
+        scale: float,
+        max_batch: int,
+        value_product: str = "exact",
+        fused_append: bool = False,
     ) -> None:
         c0 = kv.caches[0]
         if getattr(c0, "format", None) != "fp2":
@@ -112,6 +122,12 @@ class Fp2FusedDecode:
                 f"the kernels read one scale dtype, K has {spec.k.scale_dtype}, V {spec.v.scale_dtype}"
             )
         self.kv, self.scale = kv, scale
+        self.fuses_append = fused_append and c0.device.type == "cuda"
+        if self.fuses_append and any(getattr(c, "_static_write", None) is None for c in kv.caches):
+            raise ConfigError(
+                f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to fuse "
+                "(kernels/kv_write.py `unsupported`)"
+            )
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
@@ -139,6 +155,7 @@ class Fp2FusedDecode:
             key_s8=False if inexact else None,
             v_layout=c0.v.layout,
             value_product=value_product,
+            fused_append=self.fuses_append,
         )
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,
@@ -258,6 +275,8 @@ class Fp2FusedDecode:
         slots = self._mirror(seq_ids, fp2)
         pad = meta.fp2_len.shape[0] - len(slots)
         hp = [n - f for n, f in zip(lengths, fp2, strict=True)]  # sinks + tail: all that is not FP2
+        if self.fuses_append:  # the splits stop before the row a flush writes in the same kernel
+            fp2 = [self.rule.num_quantized(n - 1) for n in lengths]
         dev = meta.staging.upload(
             [[*fp2, *[0] * pad], [*hp, *[1] * pad], [*slots, *[scratch] * pad], [*slots, *[0] * pad]]
         )  # [4, Bp]: one copy; then casts and one gather on the device
@@ -266,14 +285,18 @@ class Fp2FusedDecode:
         torch.index_select(self._table_dev, 0, dev[3], out=meta.block_table)  # rows past fp2_len unread
         return max(fp2, default=0)
 
-    def static_call(self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int) -> torch.Tensor:
+    def static_call(
+        self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int, append=None
+    ) -> torch.Tensor:
         """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
-        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures)."""
+        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: with
+        `fuses_append`, the step's KV write of this layer (the partition's `fused_append`), which
+        the kernel runs first; `fill_static` then sized the FP2 ranges to match."""
         c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
         batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
         kp, vp = c.params
         x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [Bp, Hq, Dh] stored key space, fp32
-        o = self.attn(x, c.layer, batch, max_len=max_len)
+        o = self.attn(x, c.layer, batch, max_len=max_len, append=append)
         return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
     def __call__(
@@ -297,7 +320,7 @@ class Fp2FusedDecode:
 
 
 def make_decode_attention(
-    kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact"
+    kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact", fused_append: bool = False
 ) -> Fp2FusedDecode | None:
     """The partition's fused decode path, or None for PagedAttention's gather + SDPA (logged once
     when the partition is FP2 but its format is one the kernels cannot read).
@@ -315,8 +338,9 @@ def make_decode_attention(
         return None
     try:
         return Fp2FusedDecode(
-            kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch, value_product=value_product
-        )
+            kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch, value_product=value_product,
+            fused_append=fused_append,
+        )  # fmt: skip
     except ConfigError as err:
         if value_product != "exact":
             raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err

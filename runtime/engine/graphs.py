@@ -158,7 +158,11 @@ class StaticAttention:
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int
     ) -> torch.Tensor:
-        """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]."""
+        """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
+        two kernels, or one where the decode path fuses the write (`fuses_append`)."""
+        if self.fused.fuses_append:
+            append = self.kv.fused_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
+            return self.fused.static_call(layer_idx, q, self.meta, max_len, append)
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
         return self.fused.static_call(layer_idx, q, self.meta, max_len)
 

@@ -164,10 +164,25 @@ class Fp2DecodeWrites:
                 tail = hp[ix.slot, :, S : S + W]  # [Bp, H, W, D] (a copy)
                 hp[ix.slot, :, S : S + W] = torch.where(keep, tail, hp[ix.slot, :, S + 1 : S + 1 + W])
 
+    def fused_append(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex):
+        """`write_decode_static`'s kernel launch handed over instead of made (a `FusedAppend`): the
+        decode-attention kernel's fused build runs it in its bf16 CTAs (runtime/attention/decode.py).
+        The stored-space move happens now, on the stream, as for the write.
+
+        Raises:
+            ConfigError: this cache writes through its torch body (no kernel to fuse).
+        """
+        if self._static_write is None:
+            raise ConfigError("a fused decode append needs the decode-write kernel (a CUDA cache in a format it takes)")
+        return self._static_write.fused(*self._kernel_args(k, v, ix.packed))
+
     def _kernel_write(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> None:
         """k, v [B, H, D] through the decode-write kernel, where `packed` [5, B] int64 says."""
+        self._static_write(*self._kernel_args(k, v, packed))
+
+    def _kernel_args(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> tuple:
         kp, vp = self.params
-        self._static_write(
+        return (
             to_stored_space(k, kp).to(torch.bfloat16).contiguous(),
             to_stored_space(v, vp).to(torch.bfloat16).contiguous(),
             packed,

@@ -1,0 +1,442 @@
+// One FP2 decode write of one row and side, the pieces: the tail shift, the scale search, the
+// error-feedback chain and the packing of runtime/kv/fp2_cache.py's `write_decode_static`. Two
+// kernels include it: fp2_decode_write.cu (a launch of its own, whose header comment explains the
+// steps and their hazards) and attn_fp2_decode.cu's FUSED_WRITE build (the row's bf16 CTA writes
+// before it attends, docs/fp2-kernel.md "The append inside the decode"). Both run it with CTAs of
+// kRowThreads threads.
+//
+// Shape legend: D head dim (HEAD_DIM), PER = D / 32 channels per lane, BS channels per scale block
+// (K_BLOCK / V_BLOCK), NB = D / BS, C = NUM_CAND candidate scales.
+#pragma once
+#include <cuda_bf16.h>
+
+#include "attn_fp2_common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef K_BLOCK
+#define K_BLOCK 64
+#endif
+#ifndef V_BLOCK
+#define V_BLOCK 64
+#endif
+#ifndef SCALE_FMT
+#define SCALE_FMT 0  // 0: E4M3, 1: E8M0
+#endif
+#ifndef NUM_CAND
+#define NUM_CAND 33
+#endif
+// 1: the head's factor rows staged whole in dynamic shared memory (D * D floats, which the launch
+// provides: kernels/kv_write.py decides, D <= 128); 0: the chain's ring loads them from L2 after a
+// prefetch
+#ifndef STAGE_ROWS
+#define STAGE_ROWS 0
+#endif
+#ifndef V_QUAD
+#define V_QUAD 0  // 1: value pages in the quad layout
+#endif
+
+namespace fp2w {
+constexpr int D = HEAD_DIM;
+constexpr int PER = D / 32;
+constexpr int kRowThreads = 128;  // the CTA of every caller (static_assert there)
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr int PREFETCH = 8;
+constexpr unsigned kFull = 0xffffffffu;
+static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256");
+static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
+static_assert(!STAGE_ROWS || D <= 128, "a staged factor of more than 64 KB (kernels/kv_write.py stages D <= 128)");
+
+// The shared memory of one side's write, the caller's to place (the fused decode runs both sides
+// in one CTA, so each needs its own): the MSE search's per-warp least (error, candidate) of each
+// block, and the chain's row, scales and codes (quantize_row, feedback_codes_exact).
+struct SearchShare {
+  double err[D / 32][kRowWarps];
+  float scale[D / 32][kRowWarps];
+};
+struct ChainShare {
+  float v[D];
+  float scale[D / 32];
+  int code[D];
+};
+
+// Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
+// 16-byte words, by the whole CTA (see the hazards in fp2_decode_write.cu).
+__device__ void shift_tail(__nv_bfloat16* row_s, int window) {
+  // uint4 per thread per chunk: one chunk (one round trip to memory) for a window of up to 64 rows
+  // at D = 128; the registers are free here, the search and the chain come after
+  constexpr int WORDS = 64 * 128 / 8 / kRowThreads;
+  const int n = window * D / 8;
+  uint4* dst = reinterpret_cast<uint4*>(row_s);
+  const uint4* src = reinterpret_cast<const uint4*>(row_s + D);
+  for (int base = 0; base < n; base += kRowThreads * WORDS) {
+    uint4 r[WORDS];
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * kRowThreads + threadIdx.x;
+      if (i < n) r[k] = src[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * kRowThreads + threadIdx.x;
+      if (i < n) dst[i] = r[k];
+    }
+  }
+}
+
+// shift_tail of two regions at once (the fused append's keys and values): one round trip for
+// windows of up to 48 rows at D = 128.
+__device__ void shift_tails(__nv_bfloat16* row_a, __nv_bfloat16* row_b, int window) {
+  constexpr int WORDS = 48 * 128 / 8 / kRowThreads;
+  const int n = window * D / 8;
+  uint4* dst_a = reinterpret_cast<uint4*>(row_a);
+  uint4* dst_b = reinterpret_cast<uint4*>(row_b);
+  const uint4* src_a = reinterpret_cast<const uint4*>(row_a + D);
+  const uint4* src_b = reinterpret_cast<const uint4*>(row_b + D);
+  for (int base = 0; base < n; base += kRowThreads * WORDS) {
+    uint4 ra[WORDS], rb[WORDS];
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * kRowThreads + threadIdx.x;
+      if (i < n) ra[k] = src_a[i], rb[k] = src_b[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) {
+      const int i = base + k * kRowThreads + threadIdx.x;
+      if (i < n) dst_a[i] = ra[k], dst_b[i] = rb[k];
+    }
+  }
+}
+
+// PER consecutive factor columns of one row, this lane's (lane-major: columns PER * lane + j)
+__device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __restrict__ src) {
+  if constexpr (PER % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) {
+      float4 x;
+      if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float4*>(src + j);
+      else x = __ldg(reinterpret_cast<const float4*>(src + j));
+      dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
+    }
+  } else if constexpr (PER == 2) {
+    float2 x;
+    if constexpr (STAGE_ROWS) x = *reinterpret_cast<const float2*>(src);
+    else x = __ldg(reinterpret_cast<const float2*>(src));
+    dst[0] = x.x, dst[1] = x.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if constexpr (STAGE_ROWS) dst[j] = src[j];
+      else dst[j] = __ldg(src + j);
+    }
+  }
+}
+
+__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+// Channels per pass of the chain's loop: whole lane groups (PER) and whole turns of the factor
+// ring (PREFETCH), so that both indices are compile-time inside it.
+constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
+static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
+
+// Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
+// over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
+// midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
+// the fast pass (!EXACT) tests r_i = v - s m_i instead: one fma, rounded once, so !(r_i < 0) says
+// v / s >= m_i exactly, except where r_i underflows to -0. The rounded quotient differs from the
+// exact one only where v / s lies just below m_i and rounds up onto it (within half an ulp of m_i,
+// at most s |m_i| 2^-24; within s 2^-150 of 0 where m_i is 0 or subnormal: a tiny negative
+// quotient rounds to -0, which counts). The fast pass flags any value whose r_i lies in
+// (-tol_i, -0], tol_i = max(s |m_i| 2^-21, s 2^-148, 2^-125), a band four times or more the
+// widest of these, and the caller then runs the exact pass, with the divisions. For the format's
+// levels (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact
+// pass is for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three
+// tests are monotone (m ascending, s > 0), so the level comes from them directly.
+//
+// The chain as a loop, not unrolled over D: a warp runs it once, so its instructions come from
+// memory, not the instruction cache; fully unrolled (D steps, ~16 k instructions in the kernel) it
+// spent a third of its cycles waiting on instruction fetch (Nsight Compute, H200). Lane-major: lane
+// o holds channels PER * o + j, so PER - 1 of every PER steps find the next channel in the same
+// lane. Each lane keeps two copies: wt, every error applied as it is shuffled out (the true values,
+// in the reference's order), and wf, the group owner's own errors applied without waiting for the
+// shuffle (the chain: decide, error, update the next channel). At a group's start its owner's wf
+// is its wt, whose last error came by shuffle: one shuffle on the chain per PER channels. sh_v:
+// the row, lane-strided ([D], channel 32 i + lane at 32 i + lane); codes come back lane-strided.
+template <int BS, bool EXACT>
+__device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, int (&code)[PER], int lane,
+                                               const float* __restrict__ rows, const float (&scale)[D / BS],
+                                               const float (&m)[3], const float (&l)[4]) {
+  constexpr int NB = D / BS;
+  float wt[PER], wf[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
+  float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
+#pragma unroll
+  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
+  // The band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
+  // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
+  // Per block: its scale and band bits, the current block's first. The loop moves them down one at
+  // each block boundary (an index by the loop's channel would put them in local memory).
+  float sb[NB];
+  uint32_t tol_bits[NB][3];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    sb[b] = scale[b];
+#pragma unroll
+    for (int i = 0; i < 3; ++i)
+      tol_bits[b][i] = __float_as_uint(
+          fmaxf(fmaxf(scale[b] * fabsf(m[i]) * 0x1p-21f, scale[b] * 0x1p-126f * 0x1p-22f), 0x1p-125f));
+  }
+  auto next_block = [&]() {
+#pragma unroll
+    for (int b = 0; b + 1 < NB; ++b) {
+      sb[b] = sb[b + 1];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) tol_bits[b][i] = tol_bits[b + 1][i];
+    }
+  };
+  bool near = false;
+  uint32_t packed = 0;  // the owner's codes, 2 bits per channel of its group
+#pragma unroll 1
+  for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
+    if constexpr (BS % CHAIN_STEP == 0) {
+      if (c0 > 0 && c0 % BS == 0) next_block();
+    }
+#pragma unroll
+    for (int t = 0; t < CHAIN_STEP; ++t) {
+      const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
+      const bool own = lane == o;
+      if constexpr (BS % CHAIN_STEP != 0) {
+        if (c > 0 && c % BS == 0) next_block();
+      }
+      if (j == 0) {
+#pragma unroll
+        for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+      }
+      const float s = sb[0];
+      const uint32_t* tb = tol_bits[0];
+      bool ge[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        if (!EXACT) {
+          const float r = __fmaf_rn(-s, m[i], wf[j]);
+          ge[i] = !(r < 0.f);
+          near |= own && (__float_as_uint(r) ^ 0x80000000u) < tb[i];
+        } else {
+          ge[i] = !(__fdiv_rn(wf[j], s) < m[i]);
+        }
+      }
+      if (own) packed |= uint32_t(int(ge[0]) + int(ge[1]) + int(ge[2])) << (2 * j);
+      const float lvl = ge[2] ? l[3] : ge[1] ? l[2] : ge[0] ? l[1] : l[0];
+      const float err_own = __fsub_rn(wf[j], __fmul_rn(lvl, s));
+#pragma unroll
+      for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
+      const float err = __shfl_sync(kFull, err_own, o);
+      // every lane's channels, those <= c too (never read again; a branch costs more)
+#pragma unroll
+      for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
+      if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
+    }
+  }
+  // back to lane-strided: channel 32 i + lane is field (32 i + lane) % PER of lane (32 i + lane) / PER
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    code[i] = int(__shfl_sync(kFull, packed, (32 * i + lane) / PER) >> (2 * ((32 * i + lane) % PER))) & 3;
+  return near;
+}
+
+// The exact pass, out of line so that the fast pass keeps its registers (inlined beside it, the
+// two cost 255 registers and spills at D = 128 with 32-channel key blocks, NVRTC 13.0). Its
+// inputs and codes go through shared memory (arrays by reference would put the fast pass's
+// arrays in local memory too): v and the scales as the fast pass found them, codes [D] back.
+template <int BS>
+__device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows, int lane, float m0, float m1,
+                                                  float m2, float l0, float l1, float l2, float l3,
+                                                  const float* __restrict__ sh_v, const float* __restrict__ sh_scale,
+                                                  int* __restrict__ sh_code) {
+  float scale[D / BS];
+  int code[PER] = {};
+#pragma unroll
+  for (int b = 0; b < D / BS; ++b) scale[b] = sh_scale[b];
+  const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
+  feedback_codes<BS, true>(sh_v, code, lane, rows, scale, m, l);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
+}
+
+// Step 4's scales for one side (BS channels per block), the part of warp `warp` of the NW warps
+// that share the search (v: the row, lane-strided, in each of them): absmax scales straight into
+// `scale`; for MSE, the least (error, candidate) of the warp's share of the candidates into `sh`,
+// which `pick_scales` reads after a barrier.
+template <int BS, int NW>
+__device__ __forceinline__ void search_share(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS], SearchShare& sh) {
+  static_assert(NW <= kRowWarps, "the shares hold kRowWarps warps");
+  constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
+  constexpr int CPW = (NUM_CAND + NW - 1) / NW;  // MSE candidates per warp
+  const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
+  // midpoints(): (L[i + 1] + L[i]) / 2, a halving being exact either way
+  const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
+  const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
+  const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
+  const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
+  float frac[CPW];  // this warp's share of the candidates: c = warp * CPW + k
+#pragma unroll
+  for (int k = 0; k < CPW; ++k) frac[k] = mse && warp * CPW + k < NUM_CAND ? fracs[warp * CPW + k] : 0.f;
+
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = b * SPB; i < (b + 1) * SPB; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    const float s0 = __fdiv_rn(amax, lmax);
+    if (!mse) {
+      scale[b] = zd::round_scale<SCALE_FMT>(s0);
+      continue;
+    }
+    float cand[CPW];
+    double err[CPW];
+#pragma unroll
+    for (int k = 0; k < CPW; ++k) {
+      cand[k] = zd::round_scale<SCALE_FMT>(__fmul_rn(s0, frac[k]));
+      const float t0 = __fmul_rn(cand[k], m0), t1 = __fmul_rn(cand[k], m1), t2 = __fmul_rn(cand[k], m2);
+      // L * cand is exact in fp32 (a few significant bits each) unless it overflows, which needs
+      // |y| near 2^126 with E8M0 scales: then every error is inf and candidate 0 stays (torch's
+      // fp64 search would still rank them); stored-space values never come near
+      const float q0 = __fmul_rn(l0, cand[k]), q1 = __fmul_rn(l1, cand[k]), q2 = __fmul_rn(l2, cand[k]);
+      const float q3 = __fmul_rn(l3, cand[k]);
+      err[k] = 0.0;
+#pragma unroll
+      for (int i = b * SPB; i < (b + 1) * SPB; ++i) {
+        const float y = v[i];
+        const float q = y >= t1 ? (y >= t2 ? q3 : q2) : (y >= t0 ? q1 : q0);
+        const double d = double(y) - double(q);
+        err[k] = fma(d, d, err[k]);
+      }
+    }
+    // the butterflies round by round over the share: CPW shuffles in flight, not one
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+#pragma unroll
+      for (int k = 0; k < CPW; ++k) err[k] += __shfl_xor_sync(kFull, err[k], off);
+    }
+    // the share's first least error; +inf and its first candidate where every error overflows
+    double best = __longlong_as_double(0x7ff0000000000000ll);
+    float pick = cand[0];
+#pragma unroll
+    for (int k = 0; k < CPW; ++k)
+      if (warp * CPW + k < NUM_CAND && err[k] < best) best = err[k], pick = cand[k];
+    if (lane == 0) sh.err[b][warp] = best, sh.scale[b][warp] = pick;
+  }
+}
+
+// The MSE scales from the NW shares (after a barrier past every share's store): shares in
+// candidate order, strict <: the first least error over all (candidate 0 where every error
+// overflows to inf).
+template <int BS, int NW>
+__device__ __forceinline__ void pick_scales(const SearchShare& sh, float (&scale)[D / BS]) {
+#pragma unroll
+  for (int b = 0; b < D / BS; ++b) {
+    double best = sh.err[b][0];
+    scale[b] = sh.scale[b][0];
+#pragma unroll
+    for (int w = 1; w < NW; ++w)
+      if (sh.err[b][w] < best) best = sh.err[b][w], scale[b] = sh.scale[b][w];
+  }
+}
+
+// Step 4's scales for one side, the search shared by every warp of the CTA (a __syncthreads
+// inside: the caller is uniform per CTA); v: the row, lane-strided, in every warp.
+template <int BS>
+__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS], SearchShare& sh) {
+  search_share<BS, kRowWarps>(v, lane, warp, lv, fracs, mse, scale, sh);
+  if (!mse) return;
+  __syncthreads();
+  pick_scales<BS, kRowWarps>(sh, scale);
+}
+
+// Every thread's copies of the staged factor have landed, and warp 0 sees them (the whole CTA
+// calls it: a barrier inside).
+__device__ __forceinline__ void rows_staged() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+}
+
+// Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'
+// scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being token
+// quad_token (0..3). With DEQ and a `deq` ([D] bf16), the row as its pages now hold it, level
+// times scale, goes there too (exact: a level has at most 3 significant bits and a scale 4,
+// docs/fp2-kernel.md).
+template <int BS, bool QUAD, bool DEQ = false>
+__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
+                             const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
+                             uint8_t* __restrict__ scale_bytes, ChainShare& sh,
+                             __nv_bfloat16* __restrict__ deq = nullptr) {
+  constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
+  const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
+  const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
+  const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
+  const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
+
+  int code[PER] = {};
+  if (rows == nullptr) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const float z = __fdiv_rn(v[i], scale[i / SPB]);
+      code[i] = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));  // bucketize(right=True)
+    }
+  } else {
+    const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sh.v[32 * i + lane] = v[i];
+    if (lane == 0) {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) sh.scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
+    }
+    __syncwarp();  // sh.v is read across lanes
+    if (__any_sync(kFull, feedback_codes<BS, false>(sh.v, code, lane, rows, scale, m, l))) {
+      feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh.v, sh.scale, sh.code);
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < PER; ++i) code[i] = sh.code[32 * i + lane];
+    }
+  }
+
+  if constexpr (QUAD) {
+    // Quad word (g, k) = g * PER + k holds, in byte quad_token, the channels 32k + 8f + g (f = 0..3,
+    // field f): lanes g, g + 8, g + 16, g + 24 of slot k.
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      uint32_t x = uint32_t(code[i]) << (2 * (lane >> 3));
+      x |= __shfl_xor_sync(kFull, x, 8);
+      x |= __shfl_xor_sync(kFull, x, 16);
+      if (lane < 8) reinterpret_cast<uint8_t*>(words)[4 * (lane * PER + i) + quad_token] = uint8_t(x);
+    }
+  } else {
+    // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      uint32_t w = uint32_t(code[i]) << (2 * (lane & 15));
+#pragma unroll
+      for (int off = 1; off < 16; off <<= 1) w |= __shfl_xor_sync(kFull, w, off);
+      if ((lane & 15) == 0) words[2 * i + (lane >> 4)] = w;
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) scale_bytes[b] = uint8_t(zd::encode_scale<SCALE_FMT>(scale[b]));
+  }
+  if (DEQ && deq != nullptr) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const float lvl = code[i] == 3 ? l3 : code[i] == 2 ? l2 : code[i] == 1 ? l1 : l0;
+      deq[32 * i + lane] = __float2bfloat16_rn(__fmul_rn(lvl, scale[i / SPB]));
+    }
+  }
+}
+}  // namespace fp2w
