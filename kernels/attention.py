@@ -23,6 +23,7 @@ from zerodram.kernels.module import launch, load_module, num_sms, ptr
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
 HP_CHUNK = 64  # bf16 tokens the decode kernel's bf16 CTA stages at a time (kHpChunk)
+FUSED_RING_PASSES = 4  # attn_fp2_decode.cu's kFusedRing: passes of 8 factor rows in flight per chain
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,11 @@ class Fp2KernelConfig:
         ring = self.num_warps * self.stages * stage
         combine = 4 * self.num_warps * 8 * (d + 2)
         bf16 = 4 * (g * d + g * HP_CHUNK + ((3 * g + 3) & ~3) + HP_CHUNK * d)  # kHpSmemFloats
-        return max(ring, combine, bf16)
+        # the fused append's (attn_fp2_decode.cu, fused_append): per side a SearchShare and a
+        # ChainShare (fp2_write_row.cuh), then a chain's ring of FUSED_RING_PASSES passes of 8 factor rows
+        search, chain = (d // 32) * 4 * (8 + 4), 4 * (2 * d + d // 32)
+        fused = 2 * (search + chain) + 2 * FUSED_RING_PASSES * 8 * d * 4 if self.fused_write else 0
+        return max(ring, combine, bf16, fused)
 
     def merge_smem_bytes(self, max_splits: int) -> int:
         """Shared memory the last CTA of a row merges in: per head and partial (at most max_splits

@@ -131,15 +131,19 @@ struct AppendArgs {
 };
 static_assert(NUM_WARPS * 32 == fp2w::kRowThreads, "the fused append runs in the write's 128-thread CTA");
 static_assert(HEAD_DIM == fp2w::D, "one head dim");
+// Passes of factor rows each chain streams through shared memory ahead of itself (feedback_codes'
+// RING; kernels/attention.py FUSED_RING_PASSES sizes the shared memory to match).
+constexpr int kFusedRing = 4;
 
 // The write of row (b, kvh) by the whole CTA (a uniform caller: barriers inside); returns whether
 // the row flushed. Warps 0-1 take the keys and warps 2-3 the values at once: each pair shares its
 // side's MSE search (the code is the write kernel's, so the scales are the same bits), then its
-// first warp runs the side's feedback chain. Inside the decode this CTA shares its SM with split
+// first warp runs the side's feedback chain, streaming the factor rows through shared memory
+// (feedback_codes' RING). Inside the decode this CTA shares its SM with split
 // CTAs that keep DRAM busy, so every dependent round trip (and every instruction fetched from
 // memory) costs more than in a launch of its own: the two sides run side by side and the two tails
-// move in one round trip. smem: 2 SearchShare then 2 ChainShare (the first bytes of the CTA's
-// dynamic shared memory, free until bf16_partial). Step numbers as in fp2_decode_write.cu.
+// move in one round trip. smem: 2 SearchShare, 2 ChainShare, then the two chains' rings (the first
+// bytes of the CTA's dynamic shared memory, free until bf16_partial). Step numbers as in fp2_decode_write.cu.
 __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, int B, int H, int hp_rows, int page_size,
                                           unsigned char* smem, unsigned long long* timeline) {
   using fp2w::ChainShare, fp2w::kRowThreads, fp2w::kRowWarps, fp2w::PER, fp2w::pick_scales, fp2w::quantize_row, fp2w::SearchShare,
@@ -178,6 +182,9 @@ __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, i
   // agree: one copy of the search's code to fetch)
   SearchShare* search = reinterpret_cast<SearchShare*>(smem);
   ChainShare* chain = reinterpret_cast<ChainShare*>(search + 2);
+  float* const rings = reinterpret_cast<float*>(chain + 2);  // [2 sides][kFusedRing][CHAIN_STEP][D]
+  static_assert((2 * sizeof(SearchShare) + 2 * sizeof(ChainShare)) % 16 == 0, "16-byte aligned rings");
+  float* const ring = rings + side * kFusedRing * fp2w::CHAIN_STEP * D;
   const bool mse = (a.rules >> side) & 1;
   float sk[D / K_BLOCK], sv[D / V_BLOCK];
 #pragma unroll 1
@@ -200,15 +207,15 @@ __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, i
   if (side == 0) {
     if (mse) pick_scales<K_BLOCK, kRowWarps>(search[0], sk);
     if (w == 0)
-      quantize_row<K_BLOCK, false, true>(v, lane, a.k_levels, sk, k_rows, a.k_codes + at * (D / 16), 0,
-                                         a.k_scales + at * (D / K_BLOCK), chain[0], arrival);
+      quantize_row<K_BLOCK, false, true, kFusedRing>(v, lane, a.k_levels, sk, k_rows, a.k_codes + at * (D / 16), 0,
+                                                     a.k_scales + at * (D / K_BLOCK), chain[0], arrival, ring);
   } else {
     float (&s)[D / V_BLOCK] = *reinterpret_cast<float (*)[D / V_BLOCK]>(K_BLOCK == V_BLOCK ? sk : sv);
     if (mse) pick_scales<V_BLOCK, kRowWarps>(search[1], s);
     if (w == 0)
-      quantize_row<V_BLOCK, V_QUAD, true>(v, lane, a.v_levels, s, v_rows,
-                                          a.v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
-                                          a.v_scales + at * (D / V_BLOCK), chain[1], arrival);
+      quantize_row<V_BLOCK, V_QUAD, true, kFusedRing>(v, lane, a.v_levels, s, v_rows,
+                                                      a.v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
+                                                      a.v_scales + at * (D / V_BLOCK), chain[1], arrival, ring);
   }
   __syncthreads();  // the region's rows and the arrival row are in place for bf16_partial's copies
   ZD_STAMP(7, globaltimer());
