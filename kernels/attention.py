@@ -188,11 +188,13 @@ class Fp2Kernels:
         append: FusedAppend | None = None,  # with cfg.fused_write: the rows' decode writes, done first
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
-        if append is not None and (not self.cfg.fused_write or append.rows != B):
-            raise ValueError(
-                f"a fused append of {append.rows} rows to a decode of {B} rows, in a build "
-                f"{'with' if self.cfg.fused_write else 'without'} FUSED_WRITE"
-            )
+        if append is not None:
+            if not self.cfg.fused_write or append.rows != B:
+                raise ValueError(
+                    f"a fused append of {append.rows} rows to a decode of {B} rows, in a build "
+                    f"{'with' if self.cfg.fused_write else 'without'} FUSED_WRITE"
+                )
+            append.check_targets(hp_k, hp_v, k_codes, v_codes, k_scales, v_scales)
         S = o_part.shape[2]
         smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
         if num_splits >= S or smem > 48 * 1024:

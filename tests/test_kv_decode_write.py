@@ -258,6 +258,22 @@ def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> 
     assert rel_error(out_b[:n], ref) <= 3e-3
 
 
+def test_fused_append_names_a_write_into_other_tensors() -> None:
+    """A fused append whose region or pools are not the ones the decode reads is refused, naming
+    them (the kernel would write one cache and attend another's stale rows)."""
+    import numpy as np
+
+    from zerodram.kernels.kv_write import FusedAppend
+    from zerodram.kernels.module import ptr
+
+    ts = [torch.zeros(4) for _ in FusedAppend.TARGETS]
+    args = (np.uint64(0),) * 3 + tuple(ptr(t) for t in ts) + FusedAppend.NONE[9:]
+    append = FusedAppend(args=args, rows=1)
+    append.check_targets(*ts)
+    with pytest.raises(ValueError, match="hp_v, k_scales"):
+        append.check_targets(ts[0], torch.zeros(4), *ts[2:4], torch.zeros(4), ts[5])
+
+
 @pytest.mark.parametrize(("d", "group"), [(128, 4), (64, 8)])
 def test_fused_append_build_compiles(d: int, group: int) -> None:
     """The decode kernel's FUSED_WRITE build (the write inside its bf16 CTAs) compiles with NVRTC, no
