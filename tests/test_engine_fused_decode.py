@@ -221,3 +221,20 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
         EngineConfig(decode_value_product="e5m2")
     with pytest.raises(ConfigError, match="fused FP2 decode"):
         engine("bf16", "e4m3")
+
+
+def test_fused_append_auto_rule_and_config() -> None:
+    """EngineConfig.fused_append: True, False or "auto"; "auto" runs the KV write inside the
+    decode where the measured rule says it is faster (long contexts at B >= 8), at the sizes that
+    were measured on both sides of it (docs/benchmarks.md, "The engine's append inside the
+    decode"); on CPU the fused path never fuses (the write and the reference run apart)."""
+    from zerodram.runtime.engine.fp2_decode import append_inside_wins
+    from zerodram.runtime.errors import ConfigError
+
+    wins = {(8, 131072): True, (8, 65536): True, (32, 32768): True, (32, 65536): True}
+    loses = {(1, 131072): False, (1, 8192): False, (8, 32768): False, (8, 8192): False, (32, 8192): False}
+    for (b, length), want in {**wins, **loses}.items():
+        assert append_inside_wins(b, 8, length) == want, (b, length)
+    assert EngineConfig().fused_append == "auto"
+    with pytest.raises(ConfigError, match="fused_append"):
+        EngineConfig(fused_append="always")

@@ -9,6 +9,7 @@ size, HP bf16 tokens per sequence, S split slots.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +44,9 @@ class Fp2DecodeAttention:
             `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
-        fused_append: a kernel build whose bf16 CTAs can run the engine's decode write first
-            (`__call__`'s `append`; docs/fp2-kernel.md, "The append inside the decode"); GPU only.
+        fused_append: also load the kernel build whose bf16 CTAs run the engine's decode write
+            first (`__call__`'s `append`; docs/fp2-kernel.md, "The append inside the decode");
+            calls without an append run the plain build. GPU only.
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -129,10 +131,15 @@ class Fp2DecodeAttention:
 
             cfg = Fp2KernelConfig(
                 head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
-                v_quad=v_layout == "quad", timeline=timeline, fused_write=fused_append,
+                v_quad=v_layout == "quad", timeline=timeline,
             )  # fmt: skip
             self.kernels = Fp2Kernels(cfg)
             self.kernels.load()
+            # The fused build beside the plain one: calls without an append keep the plain build's
+            # main loop (the fused build's differs by a few instructions: docs/fp2-kernel.md).
+            self.fused_kernels = Fp2Kernels(replace(cfg, fused_write=True)) if fused_append else None
+            if self.fused_kernels is not None:
+                self.fused_kernels.load()
             props = torch.cuda.get_device_properties(self.device)
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
             self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
@@ -301,7 +308,8 @@ class Fp2DecodeAttention:
                 f"{self.max_fp2_tokens}, max_batch {self.max_batch})"
             )
         o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
-        self.kernels.decode(
+        kernels = self.kernels if append is None else self.fused_kernels
+        kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
             layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
             batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline, append,

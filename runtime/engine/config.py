@@ -24,9 +24,10 @@ class EngineConfig:
     kv_calibration_save: write the constants there (runtime/engine/calibration.py).
     decode_value_product: how the fused FP2 decode's weights meet the values: "exact", or "e4m3",
     a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py).
-    fused_append: a GPU whole-step graph runs each layer's KV write inside its decode kernel
-    instead of as a launch before it (docs/fp2-kernel.md, "The append inside the decode"; off
-    until it has been measured in the engine; ignored on CPU and without CUDA graphs)."""
+    fused_append: whether a GPU whole-step graph runs each layer's KV write inside its decode
+    kernel instead of as a launch before it (docs/fp2-kernel.md, "The append inside the decode"):
+    True, False, or "auto" (per captured step, where a measured rule says it is faster: long
+    contexts at B >= 8; `Fp2FusedDecode.appends_inside`). Ignored on CPU and without CUDA graphs."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -39,7 +40,7 @@ class EngineConfig:
     kv_calibration_tokens: int = CALIB_TOKENS
     kv_calibration_save: str | None = None
     decode_value_product: str = "exact"
-    fused_append: bool = False
+    fused_append: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:
@@ -51,6 +52,8 @@ class EngineConfig:
                 f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
                 f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
             )
+        if self.fused_append not in (True, False, "auto"):
+            raise ConfigError(f"fused_append must be True, False or 'auto', got {self.fused_append!r}")
         if self.decode_value_product not in VALUE_PRODUCTS:
             raise ConfigError(
                 f"decode_value_product must be one of {VALUE_PRODUCTS}, got {self.decode_value_product!r}"

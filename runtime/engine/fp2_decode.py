@@ -49,6 +49,20 @@ def length_bucket(max_fp2: int) -> int:
     return max(1024, 1 << max(0, max_fp2 - 1).bit_length())
 
 
+# Where the append inside the decode is faster than its own launch: a step of at least this many
+# (row, KV head, FP2 token) triples in its grid. Measured (docs/benchmarks.md, "The engine's
+# append inside the decode"; H200 and H100, Hkv = 8): faster at B = 8 from 64k tokens and at B = 32
+# from 32k (B * Hkv * L >= 4.2 M), about even at B = 1, L = 128k (1 M) and B = 8, L = 32k (2.1 M),
+# slower below. Such steps run the split CTAs long enough to hide the bf16 CTAs' append; shorter
+# ones end before it.
+FUSED_APPEND_MIN_TRIPLES = 4 * 1024 * 1024
+
+
+def append_inside_wins(rows: int, kv_heads: int, grid_len: int) -> bool:
+    """The measured rule above, for a step of `rows` batch rows whose grid covers `grid_len` tokens."""
+    return rows * kv_heads * grid_len >= FUSED_APPEND_MIN_TRIPLES
+
+
 @dataclass(frozen=True)
 class _LayerConsts:
     """One layer's kernel view and per-query-head anchors, rebuilt if the cache's params change
@@ -92,9 +106,10 @@ class Fp2FusedDecode:
         scale: softmax scale (the one PagedAttention's SDPA uses).
         max_batch: most decode sequences in one step (the scheduler's max_num_seqs).
         value_product: `Fp2DecodeAttention`'s ("exact"; "e4m3" is a CPU emulation for kernel design).
-        fused_append: on a GPU, the whole-step graph's KV write runs inside the decode kernel
-            (`static_call`'s append; docs/fp2-kernel.md, "The append inside the decode"). Ignored on
-            CPU, where the write and the reference decode run apart as always.
+        fused_append: on a GPU, whether the whole-step graph's KV write runs inside the decode
+            kernel (`static_call`'s append; docs/fp2-kernel.md, "The append inside the decode"):
+            True, False, or "auto" (`appends_inside`: where the measured rule says it is faster).
+            Ignored on CPU, where the write and the reference decode run apart as always.
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
@@ -108,8 +123,10 @@ class Fp2FusedDecode:
         scale: float,
         max_batch: int,
         value_product: str = "exact",
-        fused_append: bool = False,
+        fused_append: bool | str = False,
     ) -> None:
+        if fused_append not in (True, False, "auto"):
+            raise ConfigError(f"fused_append must be True, False or 'auto', got {fused_append!r}")
         c0 = kv.caches[0]
         if getattr(c0, "format", None) != "fp2":
             raise ConfigError(f"the fused decode path reads FP2 pages, the partition is {kv.kv_format!r}")
@@ -122,12 +139,17 @@ class Fp2FusedDecode:
                 f"the kernels read one scale dtype, K has {spec.k.scale_dtype}, V {spec.v.scale_dtype}"
             )
         self.kv, self.scale = kv, scale
-        self.fuses_append = fused_append and c0.device.type == "cuda"
-        if self.fuses_append and any(getattr(c, "_static_write", None) is None for c in kv.caches):
+        self.num_kv_heads = c0.num_kv_heads
+        # Whether the static path may run the KV write inside the decode kernel (the kernel build
+        # with it), and the rule that picks it per captured step (`appends_inside`).
+        writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
+        if fused_append is True and c0.device.type == "cuda" and not writers:
             raise ConfigError(
                 f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to fuse "
                 "(kernels/kv_write.py `unsupported`)"
             )
+        self.fuses_append = bool(fused_append) and c0.device.type == "cuda" and writers
+        self.fused_append = fused_append if self.fuses_append else False
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
@@ -251,6 +273,14 @@ class Fp2FusedDecode:
         """The FP2 length a captured step's grid is sized for: `length_bucket`, at most the pool."""
         return min(length_bucket(max_fp2), self.attn.max_fp2_tokens)
 
+    def appends_inside(self, bucket: int, grid_len: int) -> bool:
+        """Whether a static step of `bucket` rows whose grid covers `grid_len` FP2 tokens runs the
+        KV write inside the decode kernel (`fused_append`: True always, "auto" where
+        `append_inside_wins`)."""
+        if self.fused_append == "auto":
+            return append_inside_wins(bucket, self.num_kv_heads, grid_len)
+        return self.fused_append is True
+
     # --- the static path (the whole decode step in one CUDA graph) ------------------------------
 
     def static_meta(self, bucket: int) -> StaticDecodeMeta:
@@ -269,13 +299,16 @@ class Fp2FusedDecode:
     def fill_static(self, meta: StaticDecodeMeta, seq_ids: tuple[int, ...], lengths: tuple[int, ...]) -> int:
         """The step's metadata into `meta` (host bookkeeping, a few small copies, one gather of the
         block-table rows on the device); rows past B attend to one scratch-slot token of fp2_len 0.
-        Returns the longest FP2 range (which sizes the kernel grid). Empty `seq_ids`: all scratch."""
+        Returns the FP2 length the step's grid is sized for (`grid_len` of its longest range after
+        the write); where that step runs the write inside the decode (`appends_inside`), the FP2
+        ranges uploaded are the ones before it. Empty `seq_ids`: all scratch."""
         scratch = self.kv.caches[0].scratch_slot
         fp2 = [self.rule.num_quantized(n) for n in lengths]
         slots = self._mirror(seq_ids, fp2)
         pad = meta.fp2_len.shape[0] - len(slots)
         hp = [n - f for n, f in zip(lengths, fp2, strict=True)]  # sinks + tail: all that is not FP2
-        if self.fuses_append:  # the splits stop before the row a flush writes in the same kernel
+        grid = self.grid_len(max(fp2, default=0))
+        if self.appends_inside(meta.fp2_len.shape[0], grid):  # the splits stop before a flush's row
             fp2 = [self.rule.num_quantized(n - 1) for n in lengths]
         dev = meta.staging.upload(
             [[*fp2, *[0] * pad], [*hp, *[1] * pad], [*slots, *[scratch] * pad], [*slots, *[0] * pad]]
@@ -283,14 +316,14 @@ class Fp2FusedDecode:
         for i, dst in enumerate((meta.fp2_len, meta.hp_len, meta.hp_slot)):
             dst.copy_(dev[i])
         torch.index_select(self._table_dev, 0, dev[3], out=meta.block_table)  # rows past fp2_len unread
-        return max(fp2, default=0)
+        return grid
 
     def static_call(
         self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int, append=None
     ) -> torch.Tensor:
         """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
-        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: with
-        `fuses_append`, the step's KV write of this layer (the partition's `fused_append`), which
+        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: where
+        `appends_inside`, the step's KV write of this layer (the partition's `fused_append`), which
         the kernel runs first; `fill_static` then sized the FP2 ranges to match."""
         c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
         batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
@@ -320,7 +353,13 @@ class Fp2FusedDecode:
 
 
 def make_decode_attention(
-    kv, *, num_q_heads: int, scale: float, max_batch: int, value_product: str = "exact", fused_append: bool = False
+    kv,
+    *,
+    num_q_heads: int,
+    scale: float,
+    max_batch: int,
+    value_product: str = "exact",
+    fused_append: bool | str = False,
 ) -> Fp2FusedDecode | None:
     """The partition's fused decode path, or None for PagedAttention's gather + SDPA (logged once
     when the partition is FP2 but its format is one the kernels cannot read).

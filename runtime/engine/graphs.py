@@ -131,7 +131,7 @@ class StaticAttention:
     def __init__(self, kv, fused, bucket: int, num_layers: int) -> None:
         from zerodram.runtime.kv.decode_index import StaticDecodeIndex
 
-        self.kv, self.fused = kv, fused
+        self.kv, self.fused, self.bucket = kv, fused, bucket
         dev = fused.device
         self.ix = StaticDecodeIndex.allocate(bucket, dev)
         self.meta = fused.static_meta(bucket)
@@ -147,7 +147,8 @@ class StaticAttention:
 
     def upload(self, scratch: bool = False) -> int:
         """The planned step (or, `scratch`, a step of padding rows only: what a capture's warm-up
-        may run) into the static buffers; returns the longest FP2 range."""
+        may run) into the static buffers; returns the FP2 length its grid is sized for (the key of
+        its captured graph)."""
         slot, page = self.kv.scratch
         if scratch:
             self.ix.fill_scratch(slot, page)
@@ -159,8 +160,9 @@ class StaticAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int
     ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
-        two kernels, or one where the decode path fuses the write (`fuses_append`)."""
-        if self.fused.fuses_append:
+        two kernels, or one where the decode path runs the write inside (`appends_inside`, decided
+        by the bucket and `max_len` alone, as `upload` decided it)."""
+        if self.fused.appends_inside(self.bucket, max_len):
             append = self.kv.fused_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
             return self.fused.static_call(layer_idx, q, self.meta, max_len, append)
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
@@ -282,7 +284,7 @@ class StaticDecodeStep:
         if self.static_attn is not None:
             sa = self.static_attn
             sa.plan(batch)
-            max_len = sa.fused.grid_len(sa.upload())
+            max_len = sa.upload()
             if self.capturing and max_len not in self.whole:
                 log.info("capturing the decode step for batch bucket %d, FP2 length %d", self.bucket, max_len)
                 try:
