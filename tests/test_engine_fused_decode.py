@@ -235,6 +235,6 @@ def test_fused_append_auto_rule_and_config() -> None:
     loses = {(1, 131072): False, (1, 8192): False, (8, 32768): False, (8, 8192): False, (32, 8192): False}
     for (b, length), want in {**wins, **loses}.items():
         assert append_inside_wins(b, 8, length) == want, (b, length)
-    assert EngineConfig().fused_append == "auto"
+    assert EngineConfig().fused_append is False and EngineConfig(fused_append="auto").fused_append == "auto"
     with pytest.raises(ConfigError, match="fused_append"):
         EngineConfig(fused_append="always")
