@@ -236,6 +236,9 @@ def test_fused_append_auto_rule_and_config() -> None:
     for (b, length), want in {**wins, **loses}.items():
         assert append_inside_wins(b, 8, length) == want, (b, length)
     assert EngineConfig().fused_append is False and EngineConfig(fused_append="auto").fused_append == "auto"
+    # a format the kernels cannot read keeps the gather path on CPU, where the option means nothing
+    kv = RuntimeKVPartition("fp2:kblk=t32", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
+    assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=True) is None
     with pytest.raises(ConfigError, match="fused_append"):
         EngineConfig(fused_append="always")
 

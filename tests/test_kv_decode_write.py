@@ -193,6 +193,11 @@ def _decode_batch(cache, live: list[int], Bp: int, *, before_append: bool):
         ("fp2:fb=1,tail=1,window=47", 128, 4),  # DEFAULT_FP2 at the engine's head dim (quad values)
         ("fp2:fb=1,tail=1,window=47", 64, 8),
         ("fp2:kfb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", 64, 1),
+        # not yet run on a GPU (stop 33's review): no window (the arrival row is the new token's),
+        # key and value blocks that differ, a window whose shift takes two rounds, E8M0 at D = 128
+        ("fp2:fb=1,tail=1,window=0,sinks=0", 64, 3),
+        ("fp2:fb=1,tail=1,window=5,kblk=c32,vblk=c64", 128, 5),
+        ("fp2:vfb=1,tail=1,window=100,kblk=c64,vblk=c32,scale=e8m0", 128, 8),
     ],
 )
 def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> None:

@@ -240,7 +240,11 @@ __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, i
 // out      [B, Hq, D] fp32, normalised (stored value space)
 // timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
 // ap_*     the fused append's arguments (AppendArgs, in its order; FUSED_WRITE builds read them, the
-//          others never do): ap_index null, or with FUSED_WRITE the rows' writes first
+//          others never do): ap_index null, or with FUSED_WRITE the rows' writes first. Hazard: they
+//          write memory that hp_k / hp_v and the pools above also point to, which are const
+//          __restrict__. That holds only because every read through those is a cp.async in inline
+//          asm (with a memory clobber): a plain load through them (an __ldg, say) could be served
+//          from the read-only path with bytes from before this CTA's write.
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
 // i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
 // order, so the short bf16 CTAs take the slots the splits leave and never delay a split.

@@ -365,7 +365,8 @@ def make_decode_attention(
     when the partition is FP2 but its format is one the kernels cannot read).
 
     Raises:
-        ConfigError: a value_product other than "exact" where no fused path can compute it.
+        ConfigError: a value_product other than "exact", or fused_append=True, where no fused path
+            can serve it.
     """
     caches = getattr(kv, "caches", None)
     if not caches or getattr(caches[0], "format", None) != "fp2":
@@ -383,5 +384,8 @@ def make_decode_attention(
     except ConfigError as err:
         if value_product != "exact":
             raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err
+        if fused_append is True and caches[0].device.type == "cuda":  # asked for by name: not a quiet
+            # fall back to the slower gather path (on CPU the option means nothing)
+            raise ConfigError(f"fused_append=True needs the fused FP2 decode path: {err}") from err
         log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
         return None
