@@ -185,16 +185,9 @@ class Fp2Kernels:
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
         timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
-        append: FusedAppend | None = None,  # with cfg.fused_write: the rows' decode writes, done first
+        append: FusedAppend | None = None,  # a cfg.fused_write build: the rows' decode writes, done first
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
-        if append is not None:
-            if not self.cfg.fused_write or append.rows != B:
-                raise ValueError(
-                    f"a fused append of {append.rows} rows to a decode of {B} rows, in a build "
-                    f"{'with' if self.cfg.fused_write else 'without'} FUSED_WRITE"
-                )
-            append.check_targets(hp_k, hp_v, k_codes, v_codes, k_scales, v_scales)
         S = o_part.shape[2]
         smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
         if num_splits >= S or smem > 48 * 1024:

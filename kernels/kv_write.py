@@ -85,16 +85,11 @@ class FusedAppend:
     NONE: ClassVar[tuple] = (np.uint64(0),) * 14 + (np.int32(0),) * 3  # no append (null index)
     TARGETS: ClassVar[tuple[str, ...]] = ("hp_k", "hp_v", "k_codes", "v_codes", "k_scales", "v_scales")
 
-    def check_targets(self, *tensors: torch.Tensor) -> None:
-        """The decode reads the tensors this write writes (`TARGETS`, in that order): a write into
-        another cache's region or pools would leave the decode attending stale rows, silently.
-
-        Raises:
-            ValueError: naming the tensors that differ.
-        """
-        wrong = [n for n, t, a in zip(self.TARGETS, tensors, self.args[3:9], strict=True) if ptr(t) != a]
-        if wrong:
-            raise ValueError(f"the fused append writes other tensors than the decode reads: {', '.join(wrong)}")
+    def other_targets(self, *tensors: torch.Tensor) -> list[str]:
+        """Which of `tensors` (`TARGETS`, in that order: what a decode reads) this write does not
+        write: a write into another cache's region or pools would leave the decode attending stale
+        rows, silently."""
+        return [n for n, t, a in zip(self.TARGETS, tensors, self.args[3:9], strict=True) if ptr(t) != a]
 
 
 class Fp2DecodeWrite:

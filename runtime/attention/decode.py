@@ -292,10 +292,16 @@ class Fp2DecodeAttention:
         it, and the output is that of the write followed by this call on the written cache.
         """
         self.check(q, layer, batch)
-        if append is not None and not self.fused_append:
-            raise KVInputError("a fused append needs the module built with fused_append=True")
-        if append is not None and append.rows != q.shape[0]:
-            raise KVInputError(f"a fused append of {append.rows} rows to a decode of {q.shape[0]} rows")
+        if append is not None:
+            if not self.fused_append:
+                raise KVInputError("a fused append needs the module built with fused_append=True")
+            if append.rows != q.shape[0]:
+                raise KVInputError(f"a fused append of {append.rows} rows to a decode of {q.shape[0]} rows")
+            other = append.other_targets(
+                batch.hp_k, batch.hp_v, layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales
+            )
+            if other:
+                raise KVInputError(f"the fused append writes other tensors than the decode reads: {', '.join(other)}")
         if num_splits is not None and num_splits < 1:
             raise KVInputError(f"num_splits must be at least 1, got {num_splits}")
         if not self.on_gpu:
