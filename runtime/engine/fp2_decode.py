@@ -140,16 +140,15 @@ class Fp2FusedDecode:
             )
         self.kv, self.scale = kv, scale
         self.num_kv_heads = c0.num_kv_heads
-        # Whether the static path may run the KV write inside the decode kernel (the kernel build
-        # with it), and the rule that picks it per captured step (`appends_inside`).
+        # The policy that picks, per captured step, whether the KV write runs inside the decode
+        # kernel (`appends_inside`): False where the kernels cannot do it, on CPU above all.
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
         if fused_append is True and c0.device.type == "cuda" and not writers:
             raise ConfigError(
                 f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to fuse "
                 "(kernels/kv_write.py `unsupported`)"
             )
-        self.fuses_append = bool(fused_append) and c0.device.type == "cuda" and writers
-        self.fused_append = fused_append if self.fuses_append else False
+        self.fused_append = fused_append if c0.device.type == "cuda" and writers else False
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
@@ -272,6 +271,11 @@ class Fp2FusedDecode:
     def grid_len(self, max_fp2: int) -> int:
         """The FP2 length a captured step's grid is sized for: `length_bucket`, at most the pool."""
         return min(length_bucket(max_fp2), self.attn.max_fp2_tokens)
+
+    @property
+    def fuses_append(self) -> bool:
+        """Whether any step may run the KV write inside the decode kernel (its build is loaded)."""
+        return self.fused_append is not False
 
     def appends_inside(self, bucket: int, grid_len: int) -> bool:
         """Whether a static step of `bucket` rows whose grid covers `grid_len` FP2 tokens runs the
