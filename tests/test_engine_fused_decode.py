@@ -235,7 +235,7 @@ def test_fused_append_auto_rule_and_config() -> None:
     loses = {(1, 131072): False, (1, 8192): False, (8, 32768): False, (8, 8192): False, (32, 8192): False}
     for (b, length), want in {**wins, **loses}.items():
         assert append_inside_wins(b, 8, length) == want, (b, length)
-    assert EngineConfig().fused_append is False and EngineConfig(fused_append="auto").fused_append == "auto"
+    assert EngineConfig().fused_append == "auto" and EngineConfig(fused_append=False).fused_append is False
     # a format the kernels cannot read keeps the gather path on CPU, where the option means nothing
     kv = RuntimeKVPartition("fp2:kblk=t32", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
     assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=True) is None

@@ -212,7 +212,7 @@ def test_text_deltas_hold_back_incomplete_characters() -> None:
     assert got == ["caf", "", "é", " ok"]
 
 
-def test_cuda_graphs_option_maps_to_the_engine_config() -> None:
+def test_graph_options_map_to_the_engine_config() -> None:
     import argparse
 
     from zerodram.runtime.engine.jobs import add_engine_args, engine_config
@@ -222,3 +222,6 @@ def test_cuda_graphs_option_maps_to_the_engine_config() -> None:
     assert engine_config(p.parse_args([])).cuda_graphs == "auto"  # the engine decides
     assert engine_config(p.parse_args(["--cuda-graphs", "on"])).cuda_graphs is True
     assert engine_config(p.parse_args(["--cuda-graphs", "off"])).cuda_graphs is False
+    assert engine_config(p.parse_args([])).fused_append == "auto"
+    assert engine_config(p.parse_args(["--fused-append", "on"])).fused_append is True
+    assert engine_config(p.parse_args(["--fused-append", "off"])).fused_append is False

@@ -27,8 +27,8 @@ class EngineConfig:
     fused_append: whether a GPU whole-step graph runs each layer's KV write inside its decode
     kernel instead of as a launch before it (docs/fp2-kernel.md, "The append inside the decode"):
     True, False, or "auto" (per captured step, where a measured rule says it is faster: long
-    contexts at B >= 8; `Fp2FusedDecode.appends_inside`). Off by default until "auto" has run
-    through the engine on a GPU. Ignored on CPU and without CUDA graphs."""
+    contexts at B >= 8; `Fp2FusedDecode.appends_inside`), the default. Ignored on CPU and without
+    CUDA graphs."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -41,7 +41,7 @@ class EngineConfig:
     kv_calibration_tokens: int = CALIB_TOKENS
     kv_calibration_save: str | None = None
     decode_value_product: str = "exact"
-    fused_append: bool | str = False
+    fused_append: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:

@@ -84,11 +84,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
         "where they serve (one rank, or ranks over the NVSHMEM backend; no MoE layer a graph would "
         "run dense), eager otherwise or if the capture fails; on = capture or fail; off = eager",
     )
+    p.add_argument(
+        "--fused-append",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each layer's FP2 KV write inside its decode kernel in the captured steps (GPU): "
+        "auto = where a measured rule says it is faster (long contexts at B >= 8); on = every "
+        "captured step, or fail where it cannot be built; off = a launch of its own before the decode",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the shared options (the engine refuses graphs it cannot capture)."""
     graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
+    fused_append = {"on": True, "off": False}.get(args.fused_append, "auto")
     return EngineConfig(
         kv_format=args.kv,
         kv_calibration=args.kv_calibration,
@@ -97,6 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
         cuda_graphs=graphs,
+        fused_append=fused_append,
     )
 
 
