@@ -16,8 +16,9 @@ path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel
 sequence (decode append) and a 32-token tail flush per sequence, alone, and the append's added
 time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
 and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
-window, the leaving row rounded with error feedback into its page, kernels/kv_write.py), also run
-inside the decode kernel (`fused1_ms`, `fused1_added_ms` over `fp2_ms`; `--no-fused` skips it).
+window, the new token rounded with error feedback into its page row, kernels/kv_write.py), also
+split as the engine's fused steps run it, the bf16 half inside the decode kernel and the codes half
+beside it on a second stream (`fused1_ms`, `fused1_added_ms` over `fp2_ms`; `--no-fused` skips it).
 
 Every timed FP2 variant is also checked: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
@@ -202,7 +203,8 @@ def _engine_write(B: int, layer, batch, gen):
     """A call of the engine's decode write (kernels/kv_write.py, what `Fp2KVCache.write_decode_static`
     launches) for B sequences in DEFAULT_FP2's shape (its sinks, window, scale dtype and rules; error
     feedback on both sides with a random factor: the values do not change the work), every row
-    flushing its oldest tail token into the last FP2 slot of its sequence's pages (the layer's pools)."""
+    flushing (its tail moves up) and its new token's codes going to the last FP2 slot of its
+    sequence's pages (the layer's pools; in the engine they go W slots past the attended range)."""
     import torch
 
     from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
@@ -223,7 +225,7 @@ def _engine_write(B: int, layer, batch, gen):
     f = (batch.fp2_len[:B].long() - 1).clamp_min(0)
     page = batch.block_table[:B].long().gather(1, (f // P)[:, None])[:, 0]
     ones = torch.ones(B, dtype=torch.long, device=dev)
-    # StaticDecodeIndex's rows: slot b, the arriving row S + W, flush, the page and page row written
+    # StaticDecodeIndex's rows: slot b, the arriving row S + W, flush, the codes' page and page row
     index = torch.stack([torch.arange(B, device=dev), ones * (sinks + window), ones, page, f % P]).contiguous()
     return write, (
         y[0], y[1], index, hp[0], hp[1], layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales,
@@ -232,12 +234,14 @@ def _engine_write(B: int, layer, batch, gen):
 
 
 def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, wargs, args, flush) -> None:
-    """The engine's append inside the decode (`fused_append`, docs/fp2-kernel.md "The append inside
-    the decode"): the best config's fused build over the same pages, its bf16 CTAs writing
-    `_engine_write`'s rows first (every row flushing into its last FP2 slot, which the splits then
-    stop before). `fused1_ms` against `fp2_ms` plus `ewrite1_added_ms`; its bf16 region is the
-    write's (sinks + window rows, plus the flushed one) instead of the decode's 36 tokens. Checked
-    like the other variants: one more call, then the reference over the written cache."""
+    """The engine's append split as its fused steps run it (`fused_append`, docs/fp2-kernel.md
+    "Codes at arrival"): the best config's fused build over the same pages, its bf16 CTAs writing
+    `_engine_write`'s new rows and moving the tails first, and the codes half on a second stream
+    at the same time, into each sequence's last FP2 slot, which the decode's range stops before
+    (in the engine the codes go W slots past the range). `fused1_ms` against `fp2_ms` plus
+    `ewrite1_added_ms`; its bf16 region is the write's (sinks + window rows) instead of the
+    decode's 36 tokens. Checked like the other variants: one more call, then the reference over
+    the written cache."""
     import torch
 
     from zerodram.runtime.attention import DecodeBatch, Fp2DecodeAttention
@@ -253,15 +257,20 @@ def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, war
     dev = q.device
     slots = torch.arange(B, dtype=torch.int32, device=dev)
     hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
-    before = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
+    short = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
     append = write.fused(*wargs)
-    row["fused1_ms"] = median_ms(
-        lambda: att(q, layer, before, max_len=L, num_splits=forced, append=append), args.reps, flush
-    )
+    side = torch.cuda.Stream()
+
+    def step():
+        append.write_codes(side)
+        out = att(q, layer, short, max_len=L, num_splits=forced, append=append)
+        torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
+        return out
+
+    row["fused1_ms"] = median_ms(step, args.reps, flush)
     row["fused1_added_ms"] = row["fused1_ms"] - row["fp2_ms"]
-    after = DecodeBatch(batch.block_table, batch.fp2_len, hp_k, hp_v, hp_len, slots)
-    att(q, layer, before, max_len=L, num_splits=forced, append=append)  # one more step: its output is checked
-    err = check_rel_err(att, q, layer, after, L, forced, out=att.out[:B].clone())
+    step()  # one more step: its output is checked
+    err = check_rel_err(att, q, layer, short, L, forced, out=att.out[:B].clone())
     row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
     if err > CHECK_TOL:
         print(f"# CHECK FAILED: B={B} L={L} fused append: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)

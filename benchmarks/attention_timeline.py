@@ -11,8 +11,9 @@ min / median / max of each mark, in microseconds after the first CTA's start, an
 between marks; for the bf16 CTAs their start and end. The stamps add a few instructions per CTA,
 none in the main loop. Shapes as benchmarks/attention.py: Hq 32, Hkv 8, D 128, page 64, 36 bf16
 tokens per sequence, int8 keys, quad values. docs/fp2-kernel.md, "Where it stands after the
-one-launch kernel", has what a run showed. `--fused` times the build whose bf16 CTAs run the
-engine's append first and adds its steps (index and tail shift, search, chains, attention).
+one-launch kernel", has what a run showed. `--fused` times the build whose bf16 CTAs run the bf16
+half of the engine's append first (the codes half beside it on a second stream, as the engine runs
+it) and adds the bf16 CTAs' steps (the append, the attention).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fused",
         action="store_true",
-        help="the fused build: each bf16 CTA runs the engine's append first (benchmarks/attention.py's "
-        "engine write, every row flushing); adds the append's steps to the table",
+        help="the fused build: each bf16 CTA runs the bf16 half of the engine's append first "
+        "(benchmarks/attention.py's engine write, every row flushing), the codes half beside it; adds "
+        "the bf16 CTAs' steps to the table",
     )
 
 
@@ -62,15 +64,13 @@ def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
         "span: count and merge": [r[4] - r[3] for r in splits + bf16],
         "bf16 start": [r[0] - t0 for r in bf16],
         "bf16 partial written": [r[3] - t0 for r in bf16],
-        # the fused build's bf16 CTAs stamp their append's steps in columns 1, 2 and 7 (else 0)
+        # the fused build's bf16 CTAs stamp their append's end in column 1 (else 0)
         **(
             {
-                "bf16 span: index, shift": [r[1] - r[0] for r in bf16],
-                "bf16 span: search": [r[2] - r[1] for r in bf16],
-                "bf16 span: chains": [r[7] - r[2] for r in bf16],
-                "bf16 span: attention": [r[3] - r[7] for r in bf16],
+                "bf16 span: append": [r[1] - r[0] for r in bf16],
+                "bf16 span: attention": [r[3] - r[1] for r in bf16],
             }
-            if bf16 and all(r[7] for r in bf16)
+            if bf16 and all(r[1] for r in bf16)
             else {}
         ),
         "last done": [max(r[4] for r in splits + bf16) - t0],
@@ -98,19 +98,26 @@ def _case(B: int, L: int, flush, fused: bool) -> tuple[list[list[int]], int]:
         num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
         device="cuda", v_layout="quad", timeline=True, fused_append=fused,
     )  # fmt: skip
-    append = None
-    if fused:  # as benchmarks/attention.py times it: the FP2 range before the write, its bf16 region
+    append, side = None, torch.cuda.Stream()
+    if fused:  # as benchmarks/attention.py times it: the range stops before the codes' slot, its bf16 region
         write, wargs = load_sibling(__file__, "attention")._engine_write(B, layer, batch, gen)
         hp_len = torch.full((B,), wargs[-2] + wargs[-1], dtype=torch.int32, device="cuda")
         slots = torch.arange(B, dtype=torch.int32, device="cuda")
         batch = DecodeBatch(batch.block_table, batch.fp2_len - 1, wargs[3], wargs[4], hp_len, slots)
         append = write.fused(*wargs)
-    for _ in range(3):
+
+    def call():
+        if append is not None:
+            append.write_codes(side)
         att(q, layer, batch, max_len=L, append=append)
+        torch.cuda.current_stream().wait_stream(side)
+
+    for _ in range(3):
+        call()
     assert att.timeline is not None
     att.timeline.zero_()
     flush.sum()
-    att(q, layer, batch, max_len=L, append=append)
+    call()
     torch.cuda.synchronize()
     splits = att.plan(B, L)[0]
     stamps = att.timeline[: (splits + 1) * HKV * B].tolist()

@@ -23,7 +23,6 @@ from zerodram.kernels.module import launch, load_module, num_sms, ptr
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
 HP_CHUNK = 64  # bf16 tokens the decode kernel's bf16 CTA stages at a time (kHpChunk)
-FUSED_RING_PASSES = 4  # attn_fp2_decode.cu's kFusedRing: passes of 8 factor rows in flight per chain
 
 
 @dataclass(frozen=True)
@@ -54,9 +53,9 @@ class Fp2KernelConfig:
     # of both halves running both (attn_fp2_decode_compute.cuh, kHalf); no effect otherwise.
     half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
-    # The engine's decode write inside the decode (FUSED_WRITE: each row's bf16 CTA appends the new
-    # token first; attn_fp2_decode.cu, fused_append). The write's format constraints apply
-    # (kernels/kv_write.py `unsupported`): blocks multiples of 32, 4 warps.
+    # The bf16 half of the engine's decode write inside the decode (FUSED_WRITE: each row's bf16 CTA
+    # puts the new token into its region and moves the tail first; attn_fp2_decode.cu,
+    # fused_append; the codes half runs beside it, kernels/kv_write.py). 4 warps.
     fused_write: bool = False
     # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
     # CTA) where the grid is short (a decode append: a latency chain, one warp walking all 33 was
@@ -111,11 +110,7 @@ class Fp2KernelConfig:
         ring = self.num_warps * self.stages * stage
         combine = 4 * self.num_warps * 8 * (d + 2)
         bf16 = 4 * (g * d + g * HP_CHUNK + ((3 * g + 3) & ~3) + HP_CHUNK * d)  # kHpSmemFloats
-        # the fused append's (attn_fp2_decode.cu, fused_append): per side a SearchShare and a
-        # ChainShare (fp2_write_row.cuh), then a chain's ring of FUSED_RING_PASSES passes of 8 factor rows
-        search, chain = (d // 32) * 4 * (8 + 4), 4 * (2 * d + d // 32)
-        fused = 2 * (search + chain) + 2 * FUSED_RING_PASSES * 8 * d * 4 if self.fused_write else 0
-        return max(ring, combine, bf16, fused)
+        return max(ring, combine, bf16)
 
     def merge_smem_bytes(self, max_splits: int) -> int:
         """Shared memory the last CTA of a row merges in: per head and partial (at most max_splits
@@ -185,7 +180,7 @@ class Fp2Kernels:
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
         timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
-        append: FusedAppend | None = None,  # a cfg.fused_write build: the rows' decode writes, done first
+        append: FusedAppend | None = None,  # a cfg.fused_write build: the rows' bf16 writes, done first
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
         S = o_part.shape[2]

@@ -4,7 +4,7 @@ Shape legend: Bp padded batch rows, H KV heads, D head dim, R bf16 rows per sequ
 size, NB scale blocks per token, C candidate scales.
 
 `Fp2DecodeWrite` is `Fp2KVCache.write_decode_static`'s body after the move to the stored space, in
-one launch: the new token to its bf16 row, the oldest tail row quantized into its page row (scale
+one launch: the new token to its bf16 row and quantized into its own page row at arrival (scale
 search, nearest or error-feedback codes, packing), the tail moved up where the row flushes. The
 cache builds it once (`unsupported` says which formats it cannot take), checks its own tensors'
 layouts when it sets them, and calls it with fixed-shape device tensors: no allocation, no host sync (CUDA-graph safe).
@@ -12,7 +12,9 @@ layouts when it sets them, and calls it with fixed-shape device tensors: no allo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -70,26 +72,43 @@ def unsupported(
     return None
 
 
+# The kernel's halves (its `parts` argument): the new token to its bf16 row and the tail shift, and
+# the new token's codes into its own page row (written at arrival, read W steps later).
+BF16, CODES = 1, 2
+
+
 @dataclass(frozen=True)
 class FusedAppend:
-    """A decode write handed to the decode-attention kernel's FUSED_WRITE build instead of launched
-    (kernels/attention.py): `args` in the order of attn_fp2_decode's ap_* parameters (AppendArgs),
-    `rows` the batch rows it writes (the decode's B). `keep` holds the tensors behind the raw
-    pointers in `args` that nothing else holds (the stored-space tokens): freed before the launch,
-    their memory would go to the next allocation on the stream, or inside a graph capture to a later
-    node's, and the kernel would read that instead."""
+    """A decode write split in its halves: the bf16 half handed to the decode-attention kernel's
+    FUSED_WRITE build (kernels/attention.py; `args` in the order of attn_fp2_decode's ap_*
+    parameters, `rows` the batch rows it writes, the decode's B), the codes half launched apart
+    (`write_codes`), beside the decode. `keep` holds the tensors behind the raw pointers in `args`
+    that nothing else holds (the stored-space tokens): freed before the launches, their memory
+    would go to the next allocation on the stream, or inside a graph capture to a later node's,
+    and the kernels would read that instead."""
 
     args: tuple
     rows: int
     keep: tuple = ()
-    NONE: ClassVar[tuple] = (np.uint64(0),) * 14 + (np.int32(0),) * 3  # no append (null index)
-    TARGETS: ClassVar[tuple[str, ...]] = ("hp_k", "hp_v", "k_codes", "v_codes", "k_scales", "v_scales")
+    codes: Callable[[], None] | None = None  # launches the codes half on the current stream
+    NONE: ClassVar[tuple] = (np.uint64(0),) * 5 + (np.int32(0),) * 2  # no append (null index)
+    TARGETS: ClassVar[tuple[str, ...]] = ("hp_k", "hp_v")
 
     def other_targets(self, *tensors: torch.Tensor) -> list[str]:
         """Which of `tensors` (`TARGETS`, in that order: what a decode reads) this write does not
-        write: a write into another cache's region or pools would leave the decode attending stale
-        rows, silently."""
-        return [n for n, t, a in zip(self.TARGETS, tensors, self.args[3:9], strict=True) if ptr(t) != a]
+        write: a write into another cache's region would leave the decode attending stale rows,
+        silently."""
+        return [n for n, t, a in zip(self.TARGETS, tensors, self.args[3:5], strict=True) if ptr(t) != a]
+
+    def write_codes(self, stream: torch.cuda.Stream) -> None:
+        """The codes half on `stream`, after everything queued so far on the current stream (the
+        stored-space tokens). Nothing waits for it here: the caller joins `stream` back before the
+        step's next write of these caches (inside a graph capture: before the capture ends)."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.codes()
+        for t in self.keep[:2]:  # the tokens, made on the current stream, are read on `stream` too
+            t.record_stream(stream)
 
 
 class Fp2DecodeWrite:
@@ -139,26 +158,33 @@ class Fp2DecodeWrite:
         v_rows: torch.Tensor | None,
         num_sinks: int,
         window: int,
+        parts: int = BF16 | CODES,
     ) -> None:
         args = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-                          k_rows, v_rows, num_sinks, window)  # fmt: skip
-        Bp, H = yk.shape[:2]
+                          k_rows, v_rows, num_sinks, window, parts)  # fmt: skip
+        self._launch(args, yk.shape[0], yk.shape[1], k_rows is not None or v_rows is not None)
+
+    def _launch(self, args: tuple, Bp: int, H: int, factor: bool) -> None:
         if Bp:
-            staged = (k_rows is not None or v_rows is not None) and Bp * H * 2 <= self.max_staged_ctas
+            staged = factor and Bp * H * 2 <= self.max_staged_ctas
             kernel, smem = (self._staged, self.cfg.factor_smem_bytes) if staged else (self._kernel, 0)
             with torch.cuda.device(self.device):
                 launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
 
     def fused(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
               k_rows, v_rows, num_sinks: int, window: int) -> FusedAppend:  # fmt: skip
-        """The same write (`__call__`'s arguments) for the decode kernel to run in its bf16 CTAs."""
+        """The same write (`__call__`'s arguments) in its halves: the bf16 half for the decode
+        kernel to run in its bf16 CTAs, the codes half to launch beside it."""
         a = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-                       k_rows, v_rows, num_sinks, window)  # fmt: skip
-        # the write kernel's order less hp_rows and page_size (the decode kernel has its own)
-        return FusedAppend(args=a[:5] + a[6:10] + a[11:], rows=yk.shape[0], keep=(yk, yv, index))
+                       k_rows, v_rows, num_sinks, window, CODES)  # fmt: skip
+        Bp, H = yk.shape[:2]
+        return FusedAppend(
+            args=a[:5] + a[16:18], rows=Bp, keep=(yk, yv, index),
+            codes=partial(self._launch, a, Bp, H, k_rows is not None or v_rows is not None),
+        )  # fmt: skip
 
     def _args(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-              k_rows, v_rows, num_sinks: int, window: int) -> tuple:  # fmt: skip
+              k_rows, v_rows, num_sinks: int, window: int, parts: int) -> tuple:  # fmt: skip
         # The per-call inputs; the cache's own tensors were checked when it set them. Bp is the
         # grid and the stride between index rows: a mismatch would write through wrong rows.
         Bp, H, D = yk.shape
@@ -179,5 +205,5 @@ class Fp2DecodeWrite:
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
             ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
             ptr(k_levels), ptr(v_levels), ptr(self.fracs), opt(k_rows), opt(v_rows),
-            np.int32(num_sinks), np.int32(window), np.int32(self.rules),
+            np.int32(num_sinks), np.int32(window), np.int32(self.rules), np.int32(parts),
         )  # fmt: skip

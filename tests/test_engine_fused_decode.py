@@ -243,11 +243,11 @@ def test_fused_append_auto_rule_and_config() -> None:
         EngineConfig(fused_append="always")
 
 
-def test_static_metadata_follows_the_append_inside_decision() -> None:
-    """`fill_static` uploads each row's FP2 range before the step's write where the step runs the
-    write inside the decode (`appends_inside`), after it otherwise, the bf16 counts after it
-    either way, and returns the grid length both decisions share (CPU: the host half alone; the
-    kernels never fuse here, so the decision is forced)."""
+def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
+    """`fill_static` uploads each row's FP2 range and bf16 count after the step's write, whether the
+    step runs the write's bf16 half inside the decode (`appends_inside`) or not: the codes of the
+    range's rows were written when they arrived, a window earlier. It returns the grid length (CPU:
+    the host half alone; the kernels never fuse here, so the decision is forced)."""
     g = torch.Generator().manual_seed(3)
     kv = RuntimeKVPartition("fp2:sinks=4,tail=1,window=5", 2, 2, 64, 40, 32, torch.float32, torch.device("cpu"))
     lengths = (2, 9, 10, 40, 97)  # a sink row, the window full, flushing rows, a page boundary
@@ -264,7 +264,5 @@ def test_static_metadata_follows_the_append_inside_decision() -> None:
         fused.fused_append = inside  # what a GPU build's decision would be
         grid = fused.fill_static(meta, seq_ids, lengths)
         assert grid == fused.grid_len(max(after))
-        want = [rule.num_quantized(n - 1) for n in lengths] if inside else after
-        assert meta.fp2_len.tolist() == [*want, 0, 0, 0]
+        assert meta.fp2_len.tolist() == [*after, 0, 0, 0]
         assert meta.hp_len.tolist() == [*(n - f for n, f in zip(lengths, after, strict=True)), 1, 1, 1]
-    assert [a - b for a, b in zip(after, (rule.num_quantized(n - 1) for n in lengths), strict=True)] == [0, 0, 1, 1, 1]

@@ -59,6 +59,37 @@ def test_fp2_sinks_and_tail_stay_high_precision() -> None:
     assert len(c.tables.pages[s]) == 1  # 64 FP2 tokens: exactly one page
 
 
+@pytest.mark.parametrize(("fmt", "no_window"), [
+    ("fp2:tail=1,window=32", "fp2:tail=1,window=0"),
+    ("fp2:kblk=t16,tail=16,window=8", "fp2:kblk=t16,tail=16,window=0"),
+])  # fmt: skip
+def test_fp2_codes_are_written_at_arrival(fmt: str, no_window: str) -> None:
+    """A token's codes go to its page row when it arrives (its F-token group when complete), not
+    when it leaves the window: the pages of a cache with a window equal, row for row, those of the
+    same format without one (where every token is attended as FP2 as soon as its group is
+    complete), the tail's tokens included, whether appended as one chunk or token by token."""
+    n = 4 + 150  # sinks, then groups that complete and one that does not
+    k, v = kv_tokens(n, seed=7)
+    a, b, z = make_cache(fmt), make_cache(fmt), make_cache(no_window)
+    sa, sb, sz = a.new_sequence(), b.new_sequence(), z.new_sequence()
+    a.append(sa, k, v)
+    for i in range(n):
+        b.append(sb, k[i : i + 1], v[i : i + 1])
+    z.append(sz, k, v)
+    coded = a._coded(n)
+    assert a.rule.num_quantized(n) < coded == z.rule.num_quantized(n)  # tail tokens are coded
+    assert a.tables.pages[sa] == b.tables.pages[sb] == z.tables.pages[sz]
+    idx = torch.tensor(a.tables.pages[sa])
+    for side in ("k", "v"):
+        pa, pb, pz = (getattr(c, side) for c in (a, b, z))
+        tok = 1 if pa.side.block_axis == "channel" else pa.side.block_size  # tokens per scale row
+        # codes [pages, H, P, D] -> [tokens, H, D]; scale rows [pages, H, P / tok, NB] -> [rows, H, NB]
+        codes = [x.load(idx).transpose(1, 2).flatten(0, 1)[:coded] for x in (pa, pb, pz)]
+        scales = [x.scales[idx].transpose(1, 2).flatten(0, 1)[: coded // tok] for x in (pa, pb, pz)]
+        for got in (codes, scales):
+            assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[2]), side
+
+
 def test_fp2_pages_match_documented_layout() -> None:
     """Word codes[p, h, t, c // 16] bits 2*(c % 16) hold the code of (t, h, c)."""
     from zerodram.runtime.kv.quantize import quantize_tokens, to_stored_space

@@ -165,15 +165,14 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int,
         make_cache("fp2:tail=4,window=8").plan_decode_static([])
 
 
-def _decode_batch(cache, live: list[int], Bp: int, *, before_append: bool):
+def _decode_batch(cache, live: list[int], Bp: int):
     """The decode metadata of a padded step (Bp rows, the first len(live) real) after its write: FP2
-    and bf16 counts per row (`before_append`: the FP2 count before the write, as the fused kernel
-    takes it), block-table rows; padding rows attend to one scratch-slot token."""
+    and bf16 counts per row, block-table rows; padding rows attend to one scratch-slot token."""
     from zerodram.runtime.attention import DecodeBatch
 
     rule, dev = cache.rule, cache.device
     lens = [cache.seq_len(s) for s in live]
-    fp2 = [rule.num_quantized(n - before_append) for n in lens] + [0] * (Bp - len(live))
+    fp2 = [rule.num_quantized(n) for n in lens] + [0] * (Bp - len(live))
     hp = [n - rule.num_quantized(n) for n in lens] + [1] * (Bp - len(live))
     table = torch.zeros(Bp, cache.tables.max_pages_per_seq, dtype=torch.int32)
     for b, s in enumerate(live):
@@ -193,19 +192,21 @@ def _decode_batch(cache, live: list[int], Bp: int, *, before_append: bool):
         ("fp2:fb=1,tail=1,window=47", 128, 4),  # DEFAULT_FP2 at the engine's head dim (quad values)
         ("fp2:fb=1,tail=1,window=47", 64, 8),
         ("fp2:kfb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", 64, 1),
-        # not yet run on a GPU (stop 33's review): no window (the arrival row is the new token's),
-        # key and value blocks that differ, a window whose shift takes two rounds, E8M0 at D = 128
-        ("fp2:fb=1,tail=1,window=0,sinks=0", 64, 3),
+        # key and value blocks that differ, a window of 1 (a new token's codes are read in the next
+        # step), a window whose shift takes two rounds, E8M0 at D = 128
+        ("fp2:fb=1,tail=1,window=1,sinks=0", 64, 3),
         ("fp2:fb=1,tail=1,window=5,kblk=c32,vblk=c64", 128, 5),
         ("fp2:vfb=1,tail=1,window=100,kblk=c64,vblk=c32,scale=e8m0", 128, 8),
     ],
 )
 def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> None:
-    """The decode kernel's fused build, running each row's decode write in its bf16 CTA before it
-    attends, leaves the cache the write kernel leaves (bytes) and returns what the write kernel
-    followed by the plain decode kernel returns (within the attention tests' 3e-3 of each other,
-    and of the FP2 reference after the last step): rows in their sinks, filling the window and
-    flushing, page boundaries, rows leaving, padding rows, 60 steps with fresh random tokens."""
+    """The decode write in its halves, the bf16 half in the decode kernel's fused build (each row's
+    bf16 CTA, before it attends) and the codes half on a side stream at the same time, leaves the
+    cache the one-launch write kernel leaves (bytes) and returns what that kernel followed by the
+    plain decode kernel returns (within the attention tests' 3e-3 of each other, and of the FP2
+    reference after the last step): rows in their sinks, filling the window and flushing, page
+    boundaries, rows leaving, padding rows, 60 steps with fresh random tokens. A format without a
+    window cannot split its write (its decode reads the new token's codes)."""
     import dataclasses
 
     from attention_cases import rel_error
@@ -240,6 +241,7 @@ def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> 
         seqs.append(sa)
     Bp = 8
     ixa, ixb = (StaticDecodeIndex.allocate(Bp, torch.device("cuda")) for _ in range(2))
+    side = torch.cuda.Stream()
     worst = 0.0
     for step in range(60):
         live = [s for i, s in enumerate(seqs) if step < 30 or i % 2]
@@ -249,22 +251,28 @@ def test_fused_append_equals_write_then_decode(fmt: str, d: int, group: int) -> 
         ixa.fill(a.plan_decode_static(live), a.scratch_slot, a.scratch_page)
         ixb.fill(b.plan_decode_static(live), b.scratch_slot, b.scratch_page)
         a.write_decode_static(k, v, ixa)
-        out_a = atts[0](q, layer_from_cache(a), _decode_batch(a, live, Bp, before_append=False))
+        out_a = atts[0](q, layer_from_cache(a), _decode_batch(a, live, Bp))
+        batch_b = _decode_batch(b, live, Bp)
         append = b.fused_append(k, v, ixb)
-        out_b = atts[1](q, layer_from_cache(b), _decode_batch(b, live, Bp, before_append=True), append=append)
+        append.write_codes(side)  # beside the decode, as the engine's step runs it
+        out_b = atts[1](q, layer_from_cache(b), batch_b, append=append)
+        torch.cuda.current_stream().wait_stream(side)  # the step's end (StaticAttention.join)
         n = len(live)
         worst = max(worst, rel_error(out_b[:n], out_a[:n]))
     assert worst <= 3e-3, worst
     for ta, tb in zip(_state(a), _state(b), strict=True):
         assert torch.equal(ta, tb)
     ref = reference_decode(
-        q[:n], layer_from_cache(b), _decode_batch(b, live, n, before_append=False), atts[1].softmax_scale, spec.k.scale_dtype
+        q[:n], layer_from_cache(b), _decode_batch(b, live, n), atts[1].softmax_scale, spec.k.scale_dtype
     )
     assert rel_error(out_b[:n], ref) <= 3e-3
+    c = make_cache("fp2:fb=1,tail=1,window=0,sinks=0", num_pages=2, head_dim=d, device="cuda")
+    with pytest.raises(ConfigError, match="window"):
+        c.fused_append(k, v, ixb)
 
 
 def test_fused_append_names_a_write_into_other_tensors() -> None:
-    """A fused append names the region and pools a decode reads that it does not write
+    """A fused append names the regions a decode reads that it does not write
     (`Fp2DecodeAttention` refuses such an append with those names: the kernel would write one
     cache and attend another's stale rows)."""
     import numpy as np
@@ -273,15 +281,15 @@ def test_fused_append_names_a_write_into_other_tensors() -> None:
     from zerodram.kernels.module import ptr
 
     ts = [torch.zeros(4) for _ in FusedAppend.TARGETS]
-    args = (np.uint64(0),) * 3 + tuple(ptr(t) for t in ts) + FusedAppend.NONE[9:]
+    args = (np.uint64(0),) * 3 + tuple(ptr(t) for t in ts) + FusedAppend.NONE[5:]
     append = FusedAppend(args=args, rows=1)
     assert append.other_targets(*ts) == []
-    assert append.other_targets(ts[0], torch.zeros(4), *ts[2:4], torch.zeros(4), ts[5]) == ["hp_v", "k_scales"]
+    assert append.other_targets(ts[0], torch.zeros(4)) == ["hp_v"]
 
 
 @pytest.mark.parametrize(("d", "group"), [(128, 4), (64, 8)])
 def test_fused_append_build_compiles(d: int, group: int) -> None:
-    """The decode kernel's FUSED_WRITE build (the write inside its bf16 CTAs) compiles with NVRTC, no
+    """The decode kernel's FUSED_WRITE build (the write's bf16 half inside its bf16 CTAs) compiles with NVRTC, no
     GPU needed, at both head dims the decode takes; off a GPU the module refuses it (the write and
     the reference decode run apart there)."""
     from zerodram.kernels.attention import Fp2KernelConfig

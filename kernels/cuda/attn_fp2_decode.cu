@@ -104,58 +104,32 @@ ZD_DEVICE unsigned long long sm_id() {
 #endif
 
 #if FUSED_WRITE
-// The engine's decode write (fp2_decode_write.cu's arguments, that kernel's steps) inside the
-// decode: the bf16 CTA of row (b, kvh) appends the row's new K and V token, quantizes the leaving
-// tail row into its page row and moves the tail up, then attends. The splits' FP2 range is the
-// one before the append (the caller's fp2_hi: one less where the row flushes), so no split reads
-// the page row written here, and the leaving row is attended by this CTA instead: dequantized
-// (exact in bf16) into the region's arrival row R - 1, which the shift has just vacated and the next
-// step's new token overwrites before anything reads it. docs/fp2-kernel.md, "The append inside the
-// decode".
+// The bf16 half of the engine's decode write (fp2_decode_write.cu's steps 1 and 3) inside the
+// decode: the bf16 CTA of row (b, kvh) puts the row's new K and V token into its bf16 region and,
+// where the row flushes, moves the tails up, then attends. The new token's codes are written at
+// arrival by the write kernel's codes half, on a side stream beside this kernel (runtime/engine,
+// `StaticAttention`): nothing reads them for W steps (W >= 1; the splits' masked rows past fp2_hi
+// may copy them half-written, harmlessly). The leaving row's codes were written W steps ago, so
+// the splits' FP2 range and hp_len are the ones after the write. docs/fp2-kernel.md, "Codes at
+// arrival".
 struct AppendArgs {
   const __nv_bfloat16* yk;  // [B, Hkv, D] bf16, the new tokens in the stored space
   const __nv_bfloat16* yv;
   const long long* index;   // [5, B] slot, row, flush, page, page row (StaticDecodeIndex); null: no append
   __nv_bfloat16* hp_k;      // [slots + 1, Hkv, R, D] the bf16 regions (the decode's hp_k / hp_v, writable)
   __nv_bfloat16* hp_v;
-  uint32_t* k_codes;        // the decode's pools, writable
-  uint32_t* v_codes;
-  uint8_t* k_scales;
-  uint8_t* v_scales;
-  const float* k_levels;    // [4] each
-  const float* v_levels;
-  const float* fracs;       // [NUM_CAND]
-  const float* k_rows;      // [Hkv, D, D] feedback factor over its diagonal, or null: nearest codes
-  const float* v_rows;
-  int num_sinks, window, rules;  // rules: bit 0 keys by MSE, bit 1 values
+  int num_sinks, window;
 };
-static_assert(NUM_WARPS * 32 == fp2w::kRowThreads, "the fused append runs in the write's 128-thread CTA");
+static_assert(NUM_WARPS * 32 == fp2w::kRowThreads, "the tail shift runs in the write's 128-thread CTA");
 static_assert(HEAD_DIM == fp2w::D, "one head dim");
-// Passes of factor rows each chain streams through shared memory ahead of itself (feedback_codes'
-// RING; kernels/attention.py FUSED_RING_PASSES sizes the shared memory to match).
-constexpr int kFusedRing = 4;
 
-// The write of row (b, kvh) by the whole CTA (a uniform caller: barriers inside); returns whether
-// the row flushed. Warps 0-1 take the keys and warps 2-3 the values at once: each pair shares its
-// side's MSE search (the code is the write kernel's, so the scales are the same bits), then its
-// first warp runs the side's feedback chain, streaming the factor rows through shared memory
-// (feedback_codes' RING). Inside the decode this CTA shares its SM with split
-// CTAs that keep DRAM busy, so every dependent round trip (and every instruction fetched from
-// memory) costs more than in a launch of its own: the two sides run side by side and the two tails
-// move in one round trip. smem: 2 SearchShare, 2 ChainShare, then the two chains' rings (the first
-// bytes of the CTA's dynamic shared memory, free until bf16_partial). Step numbers as in fp2_decode_write.cu.
-__device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, int B, int H, int hp_rows, int page_size,
-                                          unsigned char* smem, unsigned long long* timeline) {
-  using fp2w::ChainShare, fp2w::kRowThreads, fp2w::kRowWarps, fp2w::PER, fp2w::pick_scales, fp2w::quantize_row, fp2w::SearchShare,
-      fp2w::search_share;  // (D is the decode's, equal: asserted above)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int side = warp >> 1, w = warp & 1;  // side 0: keys, 1: values; w: the warp within the pair
-  const long long slot = a.index[b], row = a.index[B + b], page = a.index[3 * B + b], prow = a.index[4 * B + b];
+// Row (b, kvh)'s new tokens and tail shift by the whole CTA (a uniform caller: barriers inside).
+__device__ __noinline__ void fused_append(const AppendArgs& a, int b, int kvh, int B, int H, int hp_rows) {
+  const long long slot = a.index[b], row = a.index[B + b];
   const bool flush = a.index[2 * B + b] != 0;
   const long long region = (slot * H + kvh) * hp_rows * D;
   __nv_bfloat16* const hk = a.hp_k + region;
   __nv_bfloat16* const hv = a.hp_v + region;
-  __nv_bfloat16* const hs = side == 0 ? hk : hv;  // this pair's side
   const long long tok = (static_cast<long long>(b) * H + kvh) * D;
   // 1. the new tokens to their row
   if (threadIdx.x < D / 8)
@@ -164,62 +138,9 @@ __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, i
     reinterpret_cast<uint4*>(hv + row * D)[threadIdx.x - D / 8] =
         reinterpret_cast<const uint4*>(a.yv + tok)[threadIdx.x - D / 8];
   __syncthreads();
-  // 2. the side's oldest tail row, lane-strided, into the pair's warps; both factors asked of L2
-  float v[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hs[a.num_sinks * D + 32 * i + lane]);
-  const float* k_rows = a.k_rows ? a.k_rows + static_cast<long long>(kvh) * D * D : nullptr;
-  const float* v_rows = a.v_rows ? a.v_rows + static_cast<long long>(kvh) * D * D : nullptr;
-  for (int line = threadIdx.x; line < D * D / 32; line += kRowThreads) {  // 128-byte lines
-    if (k_rows) asm volatile("prefetch.global.L2 [%0];" ::"l"(k_rows + 32 * line));
-    if (v_rows) asm volatile("prefetch.global.L2 [%0];" ::"l"(v_rows + 32 * line));
-  }
-  // 3. the tails move up where the row flushes
+  // 3. the tails move up where the row flushes (both in one round trip)
   if (flush && a.window > 0) fp2w::shift_tails(hk + a.num_sinks * D, hv + a.num_sinks * D, a.window);
-  ZD_STAMP(1, globaltimer());  // (a bf16 CTA's columns 1, 2 and 7: the append's steps)
-  // 4. scales: each pair its side's, each warp the shares of two of the write kernel's four search
-  // warps one after the other (its registers; a loop, and one call site where the sides' blocks
-  // agree: one copy of the search's code to fetch)
-  SearchShare* search = reinterpret_cast<SearchShare*>(smem);
-  ChainShare* chain = reinterpret_cast<ChainShare*>(search + 2);
-  float* const rings = reinterpret_cast<float*>(chain + 2);  // [2 sides][kFusedRing][CHAIN_STEP][D]
-  static_assert((2 * sizeof(SearchShare) + 2 * sizeof(ChainShare)) % 16 == 0, "16-byte aligned rings");
-  float* const ring = rings + side * kFusedRing * fp2w::CHAIN_STEP * D;
-  const bool mse = (a.rules >> side) & 1;
-  float sk[D / K_BLOCK], sv[D / V_BLOCK];
-#pragma unroll 1
-  for (int sw = 2 * w; sw < 2 * w + 2; ++sw) {
-    if constexpr (K_BLOCK == V_BLOCK) {
-      search_share<K_BLOCK, kRowWarps>(v, lane, sw, side == 0 ? a.k_levels : a.v_levels, a.fracs, mse, sk,
-                                       search[side]);
-    } else if (side == 0) {
-      search_share<K_BLOCK, kRowWarps>(v, lane, sw, a.k_levels, a.fracs, mse, sk, search[0]);
-    } else {
-      search_share<V_BLOCK, kRowWarps>(v, lane, sw, a.v_levels, a.fracs, mse, sv, search[1]);
-    }
-  }
-  __syncthreads();  // every share is in place (whether either side searched or not)
-  ZD_STAMP(2, globaltimer());
-  // 5. codes and stores by the pair's first warp (two chains at once); the leaving rows
-  // dequantized into the arrival row where the row flushed
-  const long long at = (page * H + kvh) * page_size + prow;
-  __nv_bfloat16* const arrival = flush ? hs + (hp_rows - 1) * D : nullptr;
-  if (side == 0) {
-    if (mse) pick_scales<K_BLOCK, kRowWarps>(search[0], sk);
-    if (w == 0)
-      quantize_row<K_BLOCK, false, true, kFusedRing>(v, lane, a.k_levels, sk, k_rows, a.k_codes + at * (D / 16), 0,
-                                                     a.k_scales + at * (D / K_BLOCK), chain[0], arrival, ring);
-  } else {
-    float (&s)[D / V_BLOCK] = *reinterpret_cast<float (*)[D / V_BLOCK]>(K_BLOCK == V_BLOCK ? sk : sv);
-    if (mse) pick_scales<V_BLOCK, kRowWarps>(search[1], s);
-    if (w == 0)
-      quantize_row<V_BLOCK, V_QUAD, true, kFusedRing>(v, lane, a.v_levels, s, v_rows,
-                                                      a.v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
-                                                      a.v_scales + at * (D / V_BLOCK), chain[1], arrival, ring);
-  }
-  __syncthreads();  // the region's rows and the arrival row are in place for bf16_partial's copies
-  ZD_STAMP(7, globaltimer());
-  return flush;
+  __syncthreads();  // the region's rows are in place for bf16_partial's copies
 }
 #endif
 
@@ -240,11 +161,11 @@ __device__ __noinline__ bool fused_append(const AppendArgs& a, int b, int kvh, i
 // out      [B, Hq, D] fp32, normalised (stored value space)
 // timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
 // ap_*     the fused append's arguments (AppendArgs, in its order; FUSED_WRITE builds read them, the
-//          others never do): ap_index null, or with FUSED_WRITE the rows' writes first. Hazard: they
-//          write memory that hp_k / hp_v and the pools above also point to, which are const
-//          __restrict__. That holds only because every read through those is a cp.async in inline
-//          asm (with a memory clobber): a plain load through them (an __ldg, say) could be served
-//          from the read-only path with bytes from before this CTA's write.
+//          others never do): ap_index null, or with FUSED_WRITE the rows' bf16 writes first. Hazard:
+//          they write memory that hp_k / hp_v also point to, which are const __restrict__. That
+//          holds only because every read through those is a cp.async in inline asm (with a memory
+//          clobber): a plain load through them (an __ldg, say) could be served from the read-only
+//          path with bytes from before this CTA's write.
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
 // i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
 // order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
@@ -260,10 +181,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                     const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max,
                     int* __restrict__ row_done, float* __restrict__ out, unsigned long long* __restrict__ timeline,
                     const __nv_bfloat16* ap_yk, const __nv_bfloat16* ap_yv, const long long* ap_index,
-                    __nv_bfloat16* ap_hp_k, __nv_bfloat16* ap_hp_v, uint32_t* ap_k_codes, uint32_t* ap_v_codes,
-                    uint8_t* ap_k_scales, uint8_t* ap_v_scales, const float* ap_k_levels, const float* ap_v_levels,
-                    const float* ap_fracs, const float* ap_k_rows, const float* ap_v_rows, int ap_num_sinks,
-                    int ap_window, int ap_rules) {
+                    __nv_bfloat16* ap_hp_k, __nv_bfloat16* ap_hp_v, int ap_num_sinks, int ap_window) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ZD_STAMP(0, globaltimer());
   ZD_STAMP(5, sm_id());
@@ -289,14 +207,12 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   };
   if (bf16_cta) {
     const long long slot = hp_slot[b];
-    int n_hp = hp_len[b];
+    const int n_hp = hp_len[b];
 #if FUSED_WRITE
     if (ap_index != nullptr) {
-      const AppendArgs ap{ap_yk,       ap_yv,       ap_index,  ap_hp_k,   ap_hp_v,      ap_k_codes,
-                          ap_v_codes,  ap_k_scales, ap_v_scales, ap_k_levels, ap_v_levels, ap_fracs,
-                          ap_k_rows,   ap_v_rows,   ap_num_sinks, ap_window, ap_rules};
-      n_hp += fused_append(ap, b, kvh, gridDim.x / ((num_splits + 1) * num_kv_heads), num_kv_heads, hp_max,
-                           page_size, smem_raw, timeline);  // the leaving row: one more bf16 token
+      const AppendArgs ap{ap_yk, ap_yv, ap_index, ap_hp_k, ap_hp_v, ap_num_sinks, ap_window};
+      fused_append(ap, b, kvh, gridDim.x / ((num_splits + 1) * num_kv_heads), num_kv_heads, hp_max);
+      ZD_STAMP(1, globaltimer());  // (a bf16 CTA's column 1: its append done)
     }
 #endif
     bf16_partial(q + head0 * D, q_scale, hp_k + slot * hp_b_stride + kvh * hp_h_stride,

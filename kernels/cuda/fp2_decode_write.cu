@@ -8,12 +8,14 @@
 //
 // grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
-//   2. every warp reads the oldest tail row (row S) into registers, lane l holding channels
-//      l + 32 i; the CTA starts copying the head's factor rows into shared memory (the staged
-//      build, STAGE_ROWS: D <= 128 and short grids; step 4's feedback reads them there), or asks
-//      L2 for them (the L2 build);
-//   3. where the row flushes, the whole CTA moves rows S + 1 .. S + W up by one (the torch body's
-//      "tail moves up"); elsewhere the tail stays and the quantized row goes to the scratch page;
+//   2. every warp reads the new token into registers, lane l holding channels l + 32 i (its codes
+//      are written now, at arrival, into its own page row: runtime/kv/fp2_cache.py); the CTA
+//      starts copying the head's factor rows into shared memory (the staged build, STAGE_ROWS:
+//      D <= 128 and short grids; step 4's feedback reads them there), or asks L2 for them (the
+//      L2 build);
+//   3. where the row flushes (its oldest tail row joins the FP2 range, whose codes were written
+//      when it arrived), the whole CTA moves rows S + 1 .. S + W up by one (the torch body's "tail
+//      moves up"); elsewhere the tail stays. A sink's codes go to the scratch page;
 //   4. each block's scale: absmax (warp 0), or the MSE search of attn_fp2_write.cu shared by the
 //      four warps (candidates round(absmax / max|L| * frac_c), codes placed by y >= s_c * m_i,
 //      first least error; warp w scores a contiguous share, the least (error, candidate) over the
@@ -35,8 +37,7 @@
 // instruction fetch); 13-15 with the factor copied into shared memory while the search runs (H200,
 // docs/benchmarks.md).
 //
-// Hazards. Step 2 reads row S before step 3's first barrier and step 3 stores only after it (a
-// write-after-read across __syncthreads). Step 3 moves the rows in chunks, every chunk read whole
+// Hazards. Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
 // feedback chain is sequential over D channels: the factor rows are loaded PREFETCH channels ahead
 // into a register ring, keeping the load latency off the chain. The staged factor is read only
@@ -51,12 +52,15 @@ constexpr int NUM_THREADS = kRowThreads;
 }  // namespace
 
 // yk, yv        [Bp, H, D] bf16: the new tokens in the stored space
-// index         [5, Bp] int64: slot, row, flush (nonzero: yes), page, page row (StaticDecodeIndex)
+// index         [5, Bp] int64: slot, row, flush (nonzero: yes), the new token's page and page row
+//               (StaticDecodeIndex)
 // hp_k, hp_v    [slots + 1, H, R, D] bf16: the bf16 regions
 // k_codes, v_codes    [pages + 1, H, P, D / 16] int32; k_scales, v_scales [pages + 1, H, P, NB] uint8
 // k_levels, v_levels  [4] fp32 sorted; fracs [C] fp32 (MSE candidates)
 // k_rows, v_rows      [H, D, D] fp32 feedback factor / its diagonal per row, or null (nearest codes)
 // rules         bit 0: keys take the MSE rule (else absmax), bit 1: values
+// parts         bit 0: the bf16 half (steps 1 and 3), bit 1: the codes half (steps 2, 4 and 5); the
+//               engine runs the halves apart, the codes off the step's critical path (kv_write.py)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     fp2_decode_write(const __nv_bfloat16* __restrict__ yk, const __nv_bfloat16* __restrict__ yv,
                      const long long* __restrict__ index, __nv_bfloat16* hp_k, __nv_bfloat16* hp_v, int hp_rows,
@@ -64,7 +68,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                      uint8_t* __restrict__ v_scales, int page_size, const float* __restrict__ k_levels,
                      const float* __restrict__ v_levels, const float* __restrict__ fracs,
                      const float* __restrict__ k_rows, const float* __restrict__ v_rows, int num_sinks, int window,
-                     int rules) {
+                     int rules, int parts) {
   const int b = blockIdx.x, h = blockIdx.y, side = blockIdx.z;
   const int Bp = gridDim.x, H = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -75,16 +79,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)b * H + h) * D;
 
   // 1. the new token to its row
-  if (threadIdx.x < D / 8)
+  if ((parts & 1) && threadIdx.x < D / 8)
     reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
   __syncthreads();
+  if (!(parts & 2)) {  // the bf16 half alone: 3. the tail moves up where the row flushes
+    if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
+    return;
+  }
 
-  // 2. the oldest tail row, lane-strided, into every warp (the search is shared); the head's factor
+  // 2. the new token, lane-strided, into every warp (the search is shared); the head's factor
   // rows copied into shared memory (staged build) or asked of L2 (L2 build) now, so that the
   // chain's register ring does not wait on DRAM
   float v[PER];
 #pragma unroll
-  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(hp[num_sinks * D + 32 * i + lane]);
+  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(y[32 * i + lane]);
   const float* rows = side == 0 ? k_rows : v_rows;  // [H, D, D], or null: nearest codes
   extern __shared__ float4 sh_rows4[];  // [D, D] fp32 with STAGE_ROWS
   if (rows != nullptr) {
@@ -101,10 +109,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     }
   }
   // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
-  if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
+  if ((parts & 1) && flush && window > 0) shift_tail(hp + num_sinks * D, window);
 
-  // 4, 5. scales (every warp), codes and stores at (page, page row): the real page, or the scratch
-  // page (warp 0)
+  // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
+  // the scratch page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
   __shared__ SearchShare search;
   __shared__ ChainShare chain;

@@ -44,8 +44,8 @@ class Fp2DecodeAttention:
             `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
-        fused_append: also load the kernel build whose bf16 CTAs run the engine's decode write
-            first (`__call__`'s `append`; docs/fp2-kernel.md, "The append inside the decode");
+        fused_append: also load the kernel build whose bf16 CTAs run the bf16 half of the engine's
+            decode write first (`__call__`'s `append`; docs/fp2-kernel.md, "Codes at arrival");
             calls without an append run the plain build. GPU only.
 
     Raises:
@@ -102,11 +102,8 @@ class Fp2DecodeAttention:
         self.value_product = value_product
         if fused_append and canonical_device(device).type != "cuda":
             raise ConfigError("fused_append is a kernel build: on CPU the write and the reference run apart")
-        if fused_append and (num_warps != 4 or k_block % 32 or v_block % 32):
-            raise ConfigError(
-                f"fused_append runs the decode write's 128-thread CTA over blocks of multiples of 32 channels, "
-                f"not {num_warps} warps and blocks ({k_block}, {v_block})"
-            )
+        if fused_append and num_warps != 4:
+            raise ConfigError(f"fused_append runs the decode write's 128-thread tail shift, not {num_warps} warps")
         self.fused_append = fused_append
         if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
             key_s8 = k_block >= 64
@@ -286,10 +283,12 @@ class Fp2DecodeAttention:
         `benchmarks/attention.py --splits`); at most the workspace's max_splits. The reference
         (CPU) does not split. On GPU the result is a view of a preallocated buffer, overwritten by
         the next call.
-        append: with `fused_append`, the step's decode write of every row (the cache's
-        `fused_append`), run by the rows' bf16 CTAs before they attend; batch.fp2_len is then the
-        FP2 length before the write (one less where a row flushes) and hp_len the bf16 tokens after
-        it, and the output is that of the write followed by this call on the written cache.
+        append: with `fused_append`, the bf16 half of the step's decode write of every row (the
+        cache's `fused_append`: the new token to its bf16 row, the tail moved up where the row
+        flushes), run by the rows' bf16 CTAs before they attend; batch.fp2_len and hp_len are the
+        lengths after the write (the codes of the FP2 range's rows were written when they arrived,
+        W >= 1 steps earlier), and the output is that of the write followed by this call on the
+        written cache.
         """
         self.check(q, layer, batch)
         if append is not None:

@@ -142,13 +142,14 @@ class Fp2FusedDecode:
         self.num_kv_heads = c0.num_kv_heads
         # The policy that picks, per captured step, whether the KV write runs inside the decode
         # kernel (`appends_inside`): False where the kernels cannot do it, on CPU above all.
+        # A window is needed too: the decode reads none of a step's new codes only where W >= 1.
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
-        if fused_append is True and c0.device.type == "cuda" and not writers:
+        if fused_append is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
             raise ConfigError(
-                f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to fuse "
-                "(kernels/kv_write.py `unsupported`)"
+                f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to split "
+                "(kernels/kv_write.py `unsupported`) or no window"
             )
-        self.fused_append = fused_append if c0.device.type == "cuda" and writers else False
+        self.fused_append = fused_append if c0.device.type == "cuda" and writers and c0.rule.window else False
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
@@ -304,16 +305,14 @@ class Fp2FusedDecode:
         """The step's metadata into `meta` (host bookkeeping, a few small copies, one gather of the
         block-table rows on the device); rows past B attend to one scratch-slot token of fp2_len 0.
         Returns the FP2 length the step's grid is sized for (`grid_len` of its longest range after
-        the write); where that step runs the write inside the decode (`appends_inside`), the FP2
-        ranges uploaded are the ones before it. Empty `seq_ids`: all scratch."""
+        the write), whether the step runs the write's bf16 half inside the decode or not (the codes
+        of the range's rows were written when they arrived). Empty `seq_ids`: all scratch."""
         scratch = self.kv.caches[0].scratch_slot
         fp2 = [self.rule.num_quantized(n) for n in lengths]
         slots = self._mirror(seq_ids, fp2)
         pad = meta.fp2_len.shape[0] - len(slots)
         hp = [n - f for n, f in zip(lengths, fp2, strict=True)]  # sinks + tail: all that is not FP2
         grid = self.grid_len(max(fp2, default=0))
-        if self.appends_inside(meta.fp2_len.shape[0], grid):  # the splits stop before a flush's row
-            fp2 = [self.rule.num_quantized(n - 1) for n in lengths]
         dev = meta.staging.upload(
             [[*fp2, *[0] * pad], [*hp, *[1] * pad], [*slots, *[scratch] * pad], [*slots, *[0] * pad]]
         )  # [4, Bp]: one copy; then casts and one gather on the device
@@ -328,7 +327,7 @@ class Fp2FusedDecode:
         """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
         FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: where
         `appends_inside`, the step's KV write of this layer (the partition's `fused_append`), which
-        the kernel runs first; `fill_static` then sized the FP2 ranges to match."""
+        the kernel runs first (its bf16 half; the caller launches the codes half)."""
         c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
         batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
         kp, vp = c.params

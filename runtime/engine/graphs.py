@@ -136,6 +136,11 @@ class StaticAttention:
         self.ix = StaticDecodeIndex.allocate(bucket, dev)
         self.meta = fused.static_meta(bucket)
         self.bad = torch.zeros(num_layers, bucket, dtype=torch.bool, device=dev)  # [Ly, Bp]
+        # Where a step runs the KV write's bf16 half inside the decode, its codes half (the new
+        # tokens' codes, which nothing reads for W steps) runs on this stream, beside the rest of
+        # the step; `join` brings it back before the step ends.
+        self.codes_stream = torch.cuda.Stream(dev) if fused.fuses_append else None
+        self._forked = False
         self._rows: tuple[list[int], ...] | None = None
         self._lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
@@ -160,13 +165,24 @@ class StaticAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int
     ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
-        two kernels, or one where the decode path runs the write inside (`appends_inside`, decided
-        by the bucket and `max_len` alone, as `upload` decided it)."""
+        the write then the decode, or, where the decode path runs the write's bf16 half inside
+        (`appends_inside`, decided by the bucket and `max_len` alone), the decode with the codes
+        half beside it on `codes_stream` (joined by `join`)."""
         if self.fused.appends_inside(self.bucket, max_len):
             append = self.kv.fused_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
+            append.write_codes(self.codes_stream)
+            self._forked = True
             return self.fused.static_call(layer_idx, q, self.meta, max_len, append)
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
         return self.fused.static_call(layer_idx, q, self.meta, max_len)
+
+    def join(self) -> None:
+        """The current stream waits for the codes halves launched since the last join, before the
+        step ends: whatever comes after it (a decode reading those rows W steps on, a freed page's
+        next owner writing it, the end of a graph capture) finds the codes in place."""
+        if self._forked:
+            torch.cuda.current_stream().wait_stream(self.codes_stream)
+            self._forked = False
 
     def record_nonfinite(self, batch: ForwardBatch) -> None:
         """Hand the step's flags to the partition's ledger (read with the others at step end)."""
@@ -260,6 +276,7 @@ class StaticDecodeStep:
             o = self.static_attn(i, q, k, v, max_len)  # [Bp, Hq, Dh]
             x = layer.feed_forward(x + layer.attn_output(o), self._timer, self.eps[i])
         b.logits.copy_(m.head(x))
+        self.static_attn.join()
 
     def _capture_whole(self, max_len: int) -> None:
         """Warm up and capture the whole step for `max_len`, the static buffers pointing at

@@ -2,7 +2,8 @@
 (`DecodeIndices`), in static buffers a captured CUDA graph reads (`StaticDecodeIndex`), and memoised
 across a partition's layers (`DecodeIndexMemo`).
 
-Dimensions: B sequences (Bp padded), Bf flushing sequences, F flushed tokens per flush.
+Dimensions: B sequences (Bp padded), Bf flushing sequences, Bc sequences completing a group of
+F tokens (whose codes are written at arrival).
 """
 
 from __future__ import annotations
@@ -17,20 +18,24 @@ from zerodram.runtime.device import Staging
 @dataclass(frozen=True)
 class DecodeIndices:
     """Where a decode append writes, on the cache's device: slot [B] and bf16 row [B] of each new
-    token; the flushing sequences' slots [Bf] (None: no flush) and the page and page row of each
-    of their F flushed tokens [Bf * F]."""
+    token; for each token of the groups the step completes (F per such sequence; None: none) its
+    slot, bf16 row, page and page row [Bc * F], whose codes are written now (at arrival); the
+    slots of the sequences whose tail moves up [Bf] (None: none)."""
 
     slot: torch.Tensor
     row: torch.Tensor
-    fl_slot: torch.Tensor | None
+    code_slot: torch.Tensor | None
+    code_row: torch.Tensor
     page: torch.Tensor
     page_row: torch.Tensor
+    fl_slot: torch.Tensor | None
 
 
 class StaticDecodeIndex:
     """Where a fixed-shape decode write goes, per row of a padded batch [Bp] (int64 on the cache's
     device): hp slot and row of the new token, whether the row flushes its oldest tail token
-    (nonzero: yes), and that token's page and page row (the scratch page where it does not flush).
+    (nonzero: yes; the tail moves up), and the new token's own page and page row, where its codes
+    go at arrival (the scratch page for a sink).
     Padding rows name the scratch slot. Static buffers, rows of one [5, Bp] device tensor filled by
     one copy per step: a captured graph reads them at every replay."""
 

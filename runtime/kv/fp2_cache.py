@@ -3,9 +3,15 @@
 Dimensions: T tokens, H KV heads, D head dim, P page size, S sinks, F tail capacity, BS block size.
 
 Writes go to the bf16 high-precision region first: sinks, then the tail. When the tail holds
-W + F tokens (window W, flush F) its oldest F are *flushed*: quantized in one go into the next F rows
-of the sequence's FP2 pages, and the remaining W rows move up. Because every quantization reads the
-same bf16 tail rows, appending token by token and appending a chunk produce identical pages.
+W + F tokens (window W, flush F) its oldest F are *flushed*: they join the FP2 range that readers
+attend, and the remaining W rows move up. A token's codes are written earlier, when it *arrives*
+(with F > 1: when the F-token group it belongs to is complete): quantized from its bf16 row into
+its own page row, W tokens before readers reach it. A token's codes depend only on its own values
+and the layer's constants, never on its neighbours in time, so they are the same bits whenever
+they are computed; writing them at arrival lets the engine quantize a decode step's new tokens off
+the step's critical path (docs/fp2-kernel.md, "Codes at arrival"). Page rows from the FP2 range's
+end up to the newest group hold codes that no reader attends yet. Because every quantization reads
+the same bf16 values, appending token by token and appending a chunk produce identical pages.
 """
 
 from __future__ import annotations
@@ -132,21 +138,28 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
         """FP2 tokens of a sequence of n tokens."""
         return self.rule.num_quantized(n)
 
+    def _coded(self, n: int) -> int:
+        """Tokens of a sequence of n tokens whose codes are in its pages (`num_quantized` of them
+        attended as FP2, the rest written at arrival, W tokens ahead of their readers)."""
+        m = n - self.spec.num_sinks
+        return 0 if m <= 0 else m // self.rule.flush * self.rule.flush
+
     def _pages_needed(self, pos0: int, num_tokens: int) -> int:
-        return -(-self._flushed(pos0 + num_tokens) // self.page_size)
+        return -(-self._coded(pos0 + num_tokens) // self.page_size)
 
     def bits_per_elem(self, ctx: int) -> float:
         return bits_per_elem(self.spec, ctx, self.head_dim)
 
     # -- writing --
     def _write(self, seq_id, pos0, k, v):
-        # All flushes of one append are quantized in one call: a flush quantizes its F bf16 rows
-        # independently of every other flush (blocks never straddle flushes: token blocks divide
-        # F), so this writes exactly the pages that token-by-token appends write, without a
-        # Python-level pass per flush (error feedback costs a D-step loop per call).
+        # All groups that complete in one append are quantized in one call: a group's F bf16 rows
+        # quantize independently of every other group (blocks never straddle groups: token blocks
+        # divide F), so this writes exactly the pages that token-by-token appends write, without a
+        # Python-level pass per group (error feedback costs a D-step loop per call).
         S = self.spec.num_sinks
         n1 = pos0 + k.shape[0]
         f0, f1 = self._flushed(pos0), self._flushed(n1)
+        c0, c1 = self._coded(pos0), self._coded(n1)  # f0 <= c0: the codes run ahead of the range
         n_sink = max(0, min(S, n1) - pos0)  # new tokens that are sinks
         n_tail = max(0, pos0 - S - f0)  # tail rows held before this append
         for pages, hp, side, params, x in (
@@ -158,8 +171,8 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
                 hp[seq_id, :, pos0 : pos0 + n_sink] = y[:n_sink].transpose(0, 1)
             # tokens S + f0 .. n1 - 1, oldest first: the held tail, then the new non-sink tokens
             stream = torch.cat([hp[seq_id, :, S : S + n_tail].transpose(0, 1), y[n_sink:]])  # [., H, D]
-            if f1 > f0:
-                self._flush(seq_id, pages, side, params, f0, stream[: f1 - f0].float())
+            if c1 > c0:  # the groups completed by this append, at arrival
+                self._flush(seq_id, pages, side, params, c0, stream[c0 - f0 : c1 - f0].float())
             rest = stream[f1 - f0 :]
             hp[seq_id, :, S : S + rest.shape[0]] = rest.transpose(0, 1)
 
@@ -167,7 +180,7 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
         self, seq_id: int, pages: SidePages, side: Fp2TensorSpec, params: SideParams, j0: int, y
     ) -> None:
         """Quantize y [N, H, D] (FP2 tokens j0 .. j0 + N - 1 of the sequence, N a multiple of F)
-        into their page rows."""
+        into their page rows (at their arrival: `_write`)."""
         codes, scales, offsets = quantize_stored(y, side, params)  # codes [N, H, D]
         raw = encode_scale(scales, side.scale_dtype)
         bs = 1 if side.block_axis == "channel" else side.block_size  # tokens per scale row

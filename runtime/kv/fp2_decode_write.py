@@ -1,6 +1,7 @@
 """Decode-time writes of the paged FP2 cache: one token per sequence, every sequence at once.
 
-Dimensions: B sequences of the step, Bp padded rows, Bf flushing sequences, H KV heads, D head
+Dimensions: B sequences of the step, Bp padded rows, Bf flushing sequences, Bc sequences whose
+new token completes an F-token group (its codes are written at arrival), H KV heads, D head
 dim, S sinks, W window, F flush, P page size.
 
 Two ways in. `_write_decode` (behind `KVCache.append_decode`) writes the same rows and pages as a
@@ -33,8 +34,10 @@ class Fp2DecodeWrites:
     def _write_decode(self, seq_ids, pos0, k, v):
         # One token per sequence, every sequence at once: the same rows and pages as `_write`, in
         # a fixed number of tensor ops. A token goes to its sink row or the end of its tail; the
-        # sequences whose tail then holds W + F rows flush their oldest F (one quantize call for
-        # all of them: flushes are independent) and move the other W up.
+        # sequences whose newest F-token group it completes quantize that group into its page rows
+        # (one quantize call for all of them: groups are independent); the sequences whose tail
+        # then holds W + F rows flush their oldest F (into the FP2 range: their codes are already
+        # written) and move the other W up.
         if self._static_write is not None:  # flush 1: the fixed-shape write's kernel, unpadded
             self._kernel_write(k, v, self._kernel_index(seq_ids, pos0))
             return
@@ -46,24 +49,22 @@ class Fp2DecodeWrites:
             (self.v, self.hp_v, self.spec.v, self.params[1], v),
         ):
             hp[idx.slot, :, idx.row] = to_stored_space(x, params).to(torch.bfloat16)  # [B, H, D]
-            if idx.fl_slot is None:
-                continue
-            fl_slot, page_t, prow_t = idx.fl_slot, idx.page, idx.page_row
-            y = (
-                hp[fl_slot, :, S : S + F].transpose(1, 2).reshape(-1, hp.shape[1], hp.shape[3])
-            )  # [Bf * F, H, D]
-            codes, scales, offsets = quantize_stored(y.float(), side, params)
-            pages.store(page_t, prow_t, codes, check_range=True)  # [Bf * F, H, D]
-            raw = encode_scale(scales, side.scale_dtype)
-            if side.block_axis == "channel":
-                srow_page, srow = page_t, prow_t
-            else:  # token blocks: one scale row per BS tokens, blocks never straddle flushes
-                bs = side.block_size
-                srow_page, srow = page_t[::bs], torch.div(prow_t[::bs], bs, rounding_mode="floor")
-            pages.scales[srow_page, :, srow] = raw
-            if pages.offsets is not None:
-                pages.offsets[srow_page, :, srow] = offsets.to(torch.bfloat16)
-            hp[fl_slot, :, S : S + W] = hp[fl_slot, :, S + F : S + F + W]  # the read is a copy
+            if idx.code_slot is not None:
+                y = hp[idx.code_slot, :, idx.code_row]  # [Bc * F, H, D]: the completed groups' rows
+                codes, scales, offsets = quantize_stored(y.float(), side, params)
+                page_t, prow_t = idx.page, idx.page_row
+                pages.store(page_t, prow_t, codes, check_range=True)  # [Bc * F, H, D]
+                raw = encode_scale(scales, side.scale_dtype)
+                if side.block_axis == "channel":
+                    srow_page, srow = page_t, prow_t
+                else:  # token blocks: one scale row per BS tokens, blocks never straddle groups
+                    bs = side.block_size
+                    srow_page, srow = page_t[::bs], torch.div(prow_t[::bs], bs, rounding_mode="floor")
+                pages.scales[srow_page, :, srow] = raw
+                if pages.offsets is not None:
+                    pages.offsets[srow_page, :, srow] = offsets.to(torch.bfloat16)
+            if idx.fl_slot is not None and W:
+                hp[idx.fl_slot, :, S : S + W] = hp[idx.fl_slot, :, S + F : S + F + W]  # the read is a copy
 
     # -- the fixed-shape decode write (a CUDA graph can capture it) --
     @property
@@ -125,24 +126,24 @@ class Fp2DecodeWrites:
             lens[sid] = n
 
     def _static_rows(self, seq_ids: list[int], pos0: list[int]) -> tuple[list[int], ...]:
-        """(slots, rows, flushes, pages, page rows) of one token per sequence at pos0 (pages given)."""
+        """(slots, rows, flushes, pages, page rows) of one token per sequence at pos0 (pages given):
+        flush says the tail moves up (the FP2 range grows), the page and page row are the new
+        token's own (its codes are written at arrival), or the scratch page for a sink."""
         S, P = self.spec.num_sinks, self.page_size
         rows, flush, page, page_row = [], [], [], []
         for sid, p in zip(seq_ids, pos0, strict=True):
             f0 = self._flushed(p)
             rows.append(p if p < S else p - f0)  # sink row, or S + tail length
-            fl = self._flushed(p + 1) > f0
-            flush.append(int(fl))
-            page.append(self.tables.pages[sid][f0 // P] if fl else self.scratch_page)
-            page_row.append(f0 % P if fl else 0)
+            flush.append(int(self._flushed(p + 1) > f0))
+            page.append(self.tables.pages[sid][(p - S) // P] if p >= S else self.scratch_page)
+            page_row.append((p - S) % P if p >= S else 0)
         return seq_ids, rows, flush, page, page_row
 
     def write_decode_static(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex) -> None:
         """Device half: k, v [Bp, H, D] (finite) written where `ix` says, in a fixed number of ops
-        with fixed shapes and no host sync. Per row: the token to its row; then the oldest tail row
-        quantized into (page, page row) and the tail moved up, where it flushes; elsewhere the same
-        quantization lands in the scratch page and the tail stays. The same cache contents as
-        `append_decode` of the real rows (tests/test_kv_cache.py)."""
+        with fixed shapes and no host sync. Per row: the token to its row and its codes to (page,
+        page row), the scratch page for a sink; the tail moved up where the row flushes. The same
+        cache contents as `append_decode` of the real rows (tests/test_kv_cache.py)."""
         S, W = self.spec.num_sinks, self.rule.window
         if self._static_write is not None:  # the same, in one launch (kernels/kv_write.py)
             self._kernel_write(k, v, ix.packed)
@@ -152,10 +153,9 @@ class Fp2DecodeWrites:
             (self.k, self.hp_k, self.spec.k, self.params[0], k),
             (self.v, self.hp_v, self.spec.v, self.params[1], v),
         ):
-            hp[ix.slot, :, ix.row] = to_stored_space(x, params).to(torch.bfloat16)  # [Bp, H, D]
-            codes, scales, offsets = quantize_stored(
-                hp[ix.slot, :, S].float(), side, params
-            )  # oldest tail row
+            y = to_stored_space(x, params).to(torch.bfloat16)  # [Bp, H, D]
+            hp[ix.slot, :, ix.row] = y
+            codes, scales, offsets = quantize_stored(y.float(), side, params)  # at arrival
             pages.store(ix.page, ix.page_row, codes, check_range=False)  # [Bp, H, D]
             pages.scales[ix.page, :, ix.page_row] = encode_scale(scales, side.scale_dtype)
             if pages.offsets is not None:
@@ -165,15 +165,20 @@ class Fp2DecodeWrites:
                 hp[ix.slot, :, S : S + W] = torch.where(keep, tail, hp[ix.slot, :, S + 1 : S + 1 + W])
 
     def fused_append(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex):
-        """`write_decode_static`'s kernel launch handed over instead of made (a `FusedAppend`): the
-        decode-attention kernel's fused build runs it in its bf16 CTAs (runtime/attention/decode.py).
-        The stored-space move happens now, on the stream, as for the write.
+        """`write_decode_static` in its two halves (a `FusedAppend`), neither launched: the bf16
+        half for the decode-attention kernel's fused build to run in its bf16 CTAs
+        (runtime/attention/decode.py), the codes half for the caller to launch beside the decode
+        (`FusedAppend.write_codes`: nothing reads a new token's codes for W steps). The
+        stored-space move happens now, on the stream, as for the write.
 
         Raises:
-            ConfigError: this cache writes through its torch body (no kernel to fuse).
+            ConfigError: this cache writes through its torch body (no kernel to split), or a
+                window of 0 (a token is attended as FP2 in the step it arrives).
         """
         if self._static_write is None:
             raise ConfigError("a fused decode append needs the decode-write kernel (a CUDA cache in a format it takes)")
+        if self.rule.window == 0:
+            raise ConfigError("a fused decode append needs a window: with none, the decode reads the new token's codes")
         return self._static_write.fused(*self._kernel_args(k, v, ix.packed))
 
     def _kernel_write(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> None:
@@ -204,36 +209,35 @@ class Fp2DecodeWrites:
         """The device index tensors of a decode append; every layer of a step asks for the same
         ones, so they come from `index_memo` (shared by a partition's caches) after the first."""
         S, P, F = self.spec.num_sinks, self.page_size, self.rule.flush
-        rows, flushing = [], []
+        rows, coding, flushing = [], [], []
         for sid, p in zip(seq_ids, pos0, strict=True):
             f0 = self._flushed(p)
-            rows.append(p if p < S else p - f0)  # sink row, or S + tail length
+            row = p if p < S else p - f0  # sink row, or S + tail length
+            rows.append(row)
+            c0 = self._coded(p)
+            if self._coded(p + 1) > c0:  # the token completes a group: its F rows end at `row`
+                coding.append((sid, row - F + 1, self.tables.pages[sid][c0 // P], c0 % P))
             if self._flushed(p + 1) > f0:
-                flushing.append((sid, self.tables.pages[sid][f0 // P], f0 % P))
-        key = (S, P, F, tuple(seq_ids), tuple(rows), tuple(flushing))
+                flushing.append(sid)
+        key = (S, P, F, tuple(seq_ids), tuple(rows), tuple(coding), tuple(flushing))
         if self.index_memo.key == key and self.index_memo.device == self.device:
             return self.index_memo.value
-        # one host buffer, one copy: slots, rows [B]; flushing slots [Bf]; their pages and page rows [Bf * F]
-        fl_pages = [(page, r0 + j) for _, page, r0 in flushing for j in range(F)]
-        host = torch.tensor(
-            [
-                *seq_ids,
-                *rows,
-                *(f[0] for f in flushing),
-                *(p for p, _ in fl_pages),
-                *(r for _, r in fl_pages),
-            ],
-            dtype=torch.long,
-        )
+        # one host buffer, one copy: slots, rows [B]; per group token (F per coding sequence) its
+        # slot, row, page and page row [Bc * F] each; the flushing slots [Bf]
+        toks = [(sid, r0 + j, page, pr0 + j) for sid, r0, page, pr0 in coding for j in range(F)]
+        cols = [t[i] for i in range(4) for t in toks]  # slots, rows, pages, page rows
+        host = torch.tensor([*seq_ids, *rows, *cols, *flushing], dtype=torch.long)
         dev = host.to(self.device, non_blocking=True)
-        B, Bf = len(seq_ids), len(flushing)
-        o = 2 * B + Bf
+        B, N = len(seq_ids), len(toks)
+        o = 2 * B + 4 * N
         value = DecodeIndices(
             slot=dev[:B],
             row=dev[B : 2 * B],
-            fl_slot=dev[2 * B : o] if Bf else None,
-            page=dev[o : o + Bf * F],
-            page_row=dev[o + Bf * F :],
+            code_slot=dev[2 * B : 2 * B + N] if N else None,
+            code_row=dev[2 * B + N : 2 * B + 2 * N],
+            page=dev[2 * B + 2 * N : 2 * B + 3 * N],
+            page_row=dev[2 * B + 3 * N : o],
+            fl_slot=dev[o:] if flushing else None,
         )
         self.index_memo.key, self.index_memo.device, self.index_memo.value = key, self.device, value
         return value
