@@ -296,9 +296,7 @@ class Fp2DecodeAttention:
                 raise KVInputError("a fused append needs the module built with fused_append=True")
             if append.rows != q.shape[0]:
                 raise KVInputError(f"a fused append of {append.rows} rows to a decode of {q.shape[0]} rows")
-            other = append.other_targets(
-                batch.hp_k, batch.hp_v, layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales
-            )
+            other = append.other_targets(batch.hp_k, batch.hp_v)
             if other:
                 raise KVInputError(f"the fused append writes other tensors than the decode reads: {', '.join(other)}")
         if num_splits is not None and num_splits < 1:
