@@ -1,9 +1,9 @@
 // One FP2 decode write of one row and side, the pieces: the tail shift, the scale search, the
 // error-feedback chain and the packing of runtime/kv/fp2_cache.py's `write_decode_static`. Two
-// kernels include it: fp2_decode_write.cu (a launch of its own, whose header comment explains the
-// steps and their hazards) and attn_fp2_decode.cu's FUSED_WRITE build (the row's bf16 CTA writes
-// before it attends, docs/fp2-kernel.md "The append inside the decode"). Both run it with CTAs of
-// kRowThreads threads.
+// kernels include it: fp2_decode_write.cu (the write, whose header comment explains the steps and
+// their hazards) and attn_fp2_decode.cu's FUSED_WRITE build (the row's bf16 CTA puts the new token
+// into its region and moves the tail before it attends: the tail shift only, docs/fp2-kernel.md
+// "Codes at arrival"). Both run it with CTAs of kRowThreads threads.
 //
 // Shape legend: D head dim (HEAD_DIM), PER = D / 32 channels per lane, BS channels per scale block
 // (K_BLOCK / V_BLOCK), NB = D / BS, C = NUM_CAND candidate scales.
@@ -48,9 +48,9 @@ static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256")
 static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
 static_assert(!STAGE_ROWS || D <= 128, "a staged factor of more than 64 KB (kernels/kv_write.py stages D <= 128)");
 
-// The shared memory of one side's write, the caller's to place (the fused decode runs both sides
-// in one CTA, so each needs its own): the MSE search's per-warp least (error, candidate) of each
-// block, and the chain's row, scales and codes (quantize_row, feedback_codes_exact).
+// The shared memory of one side's write, the caller's to place: the MSE search's per-warp least
+// (error, candidate) of each block, and the chain's row, scales and codes (quantize_row,
+// feedback_codes_exact).
 struct SearchShare {
   double err[D / 32][kRowWarps];
   float scale[D / 32][kRowWarps];
@@ -86,7 +86,7 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
-// shift_tail of two regions at once (the fused append's keys and values): one round trip for
+// shift_tail of two regions at once (the fused decode's keys and values): one round trip for
 // windows of up to 48 rows at D = 128.
 __device__ void shift_tails(__nv_bfloat16* row_a, __nv_bfloat16* row_b, int window) {
   constexpr int WORDS = 48 * 128 / 8 / kRowThreads;
@@ -166,49 +166,17 @@ static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
 // shuffle (the chain: decide, error, update the next channel). At a group's start its owner's wf
 // is its wt, whose last error came by shuffle: one shuffle on the chain per PER channels. sh_v:
 // the row, lane-strided ([D], channel 32 i + lane at 32 i + lane); codes come back lane-strided.
-//
-// RING > 0 (the fused append, whose CTA shares its SM with loads that keep L2 and DRAM busy):
-// `rows` stays in global memory and the warp streams it through `smem_ring` ([RING][CHAIN_STEP][D]
-// fp32) by cp.async, one pass of rows per slot and RING passes in flight, so the register ring
-// loads from shared memory and the L2 latency is hidden RING - 1 passes ahead instead of one.
-// Pass j's rows are read during pass j - 1 (the register ring's PREFETCH = CHAIN_STEP rows ahead):
-// at pass j's start its slot is free for pass j + RING, and pass j + 1 must have landed.
-template <int BS, bool EXACT, int RING = 0>
+template <int BS, bool EXACT>
 __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, int (&code)[PER], int lane,
                                                const float* __restrict__ rows, const float (&scale)[D / BS],
-                                               const float (&m)[3], const float (&l)[4],
-                                               float* __restrict__ smem_ring = nullptr) {
-  static_assert(RING == 0 || CHAIN_STEP == PREFETCH, "the streamed ring reads pass j + 1 during pass j");
+                                               const float (&m)[3], const float (&l)[4]) {
   constexpr int NB = D / BS;
-  constexpr int SLOT = CHAIN_STEP * D;  // floats of one pass
-  auto issue = [&](int pass) {  // pass `pass`'s rows into its slot (none past D); one commit group
-    if constexpr (RING > 0) {
-      const uint32_t dst = zd::smem_addr(smem_ring + (pass % RING) * SLOT);
-      const float* src = rows + static_cast<long long>(pass) * SLOT;
-      if (pass * CHAIN_STEP < D) {
-#pragma unroll
-        for (int i = lane; i < SLOT / 4; i += 32)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * i), "l"(src + 4 * i) : "memory");
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-    }
-  };
-  auto row_at = [&](int c) -> const float* {
-    if constexpr (RING > 0) return smem_ring + ((c / CHAIN_STEP) % RING) * SLOT + (c % CHAIN_STEP) * D;
-    return rows + c * D;
-  };
-  if constexpr (RING > 0) {
-#pragma unroll
-    for (int p = 0; p < RING; ++p) issue(p);
-    asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");  // pass 0 has landed
-    __syncwarp();
-  }
   float wt[PER], wf[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
   float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
 #pragma unroll
-  for (int p = 0; p < PREFETCH; ++p) load_cols<RING || STAGE_ROWS>(ring[p], row_at(p) + PER * lane);
+  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
   // The band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
   // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
   // Per block: its scale and band bits, the current block's first. The loop moves them down one at
@@ -235,12 +203,6 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
   uint32_t packed = 0;  // the owner's codes, 2 bits per channel of its group
 #pragma unroll 1
   for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
-    if constexpr (RING > 0) {
-      __syncwarp();  // every lane is done with this pass's slot (read during the last pass)
-      issue(c0 / CHAIN_STEP + RING);
-      asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");  // the next pass has landed
-      __syncwarp();
-    }
     if constexpr (BS % CHAIN_STEP == 0) {
       if (c0 > 0 && c0 % BS == 0) next_block();
     }
@@ -277,7 +239,7 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
       // every lane's channels, those <= c too (never read again; a branch costs more)
 #pragma unroll
       for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
-      if (c + PREFETCH < D) load_cols<RING || STAGE_ROWS>(ring[t % PREFETCH], row_at(c + PREFETCH) + PER * lane);
+      if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
   }
   // back to lane-strided: channel 32 i + lane is field (32 i + lane) % PER of lane (32 i + lane) / PER
@@ -409,14 +371,11 @@ __device__ __forceinline__ void rows_staged() {
 
 // Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'
 // scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being token
-// quad_token (0..3). With DEQ and a `deq` ([D] bf16), the row as its pages now hold it, level
-// times scale, goes there too (exact: a level has at most 3 significant bits and a scale 4,
-// docs/fp2-kernel.md). RING: the fast pass streams `rows` through `smem_ring` (feedback_codes).
-template <int BS, bool QUAD, bool DEQ = false, int RING = 0>
+// quad_token (0..3).
+template <int BS, bool QUAD>
 __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
                              const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
-                             uint8_t* __restrict__ scale_bytes, ChainShare& sh,
-                             __nv_bfloat16* __restrict__ deq = nullptr, float* __restrict__ smem_ring = nullptr) {
+                             uint8_t* __restrict__ scale_bytes, ChainShare& sh) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
@@ -439,7 +398,7 @@ __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const fl
       for (int b = 0; b < NB; ++b) sh.scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
     }
     __syncwarp();  // sh.v is read across lanes
-    if (__any_sync(kFull, feedback_codes<BS, false, RING>(sh.v, code, lane, rows, scale, m, l, smem_ring))) {
+    if (__any_sync(kFull, feedback_codes<BS, false>(sh.v, code, lane, rows, scale, m, l))) {
       feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh.v, sh.scale, sh.code);
       __syncwarp();
 #pragma unroll
@@ -470,13 +429,6 @@ __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const fl
   if (lane == 0) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) scale_bytes[b] = uint8_t(zd::encode_scale<SCALE_FMT>(scale[b]));
-  }
-  if (DEQ && deq != nullptr) {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const float lvl = code[i] == 3 ? l3 : code[i] == 2 ? l2 : code[i] == 1 ? l1 : l0;
-      deq[32 * i + lane] = __float2bfloat16_rn(__fmul_rn(lvl, scale[i / SPB]));
-    }
   }
 }
 }  // namespace fp2w
