@@ -18,7 +18,8 @@ time when it runs in one graph with the decode (`write1_added_ms`: the cost a de
 and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
 window, the new token rounded with error feedback into its page row, kernels/kv_write.py), also
 split as the engine's fused steps run it, the bf16 half inside the decode kernel and the codes half
-beside it on a second stream (`fused1_ms`, `fused1_added_ms` over `fp2_ms`; `--no-fused` skips it).
+beside it on a low-priority stream (`fused1_added_ms`: per layer of four in one graph, over plain
+decodes; `fused1_alone_added_ms`: one layer, joined right after; `--no-fused` skips it).
 
 Every timed FP2 variant is also checked: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
@@ -234,14 +235,18 @@ def _engine_write(B: int, layer, batch, gen):
 
 
 def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, wargs, args, flush) -> None:
-    """The engine's append split as its fused steps run it (`fused_append`, docs/fp2-kernel.md
+    """The engine's append split as its whole-step graphs run it (`fused_append`, docs/fp2-kernel.md
     "Codes at arrival"): the best config's fused build over the same pages, its bf16 CTAs writing
-    `_engine_write`'s new rows and moving the tails first, and the codes half on a second stream
-    at the same time, into each sequence's last FP2 slot, which the decode's range stops before
-    (in the engine the codes go W slots past the range). `fused1_ms` against `fp2_ms` plus
-    `ewrite1_added_ms`; its bf16 region is the write's (sinks + window rows) instead of the
-    decode's 36 tokens. Checked like the other variants: one more call, then the reference over
-    the written cache."""
+    `_engine_write`'s new rows and moving the tails first, and the codes half on a low-priority
+    stream beside it, into each sequence's last FP2 slot, which the decode's range stops before (in
+    the engine the codes go W slots past the range); captured on a high-priority stream, as the
+    engine captures its step. The codes of a layer overlap what follows them in the step, so the
+    timed sequence is four such layers with one join at the end, against four plain decodes
+    (`fused1_added_ms`, per layer; the feed-forward work between layers, which the codes may also
+    overlap, is left out), and one layer joined right after its decode (`fused1_alone_added_ms`:
+    nothing after it to overlap). Its bf16 region is the write's (sinks + window rows) instead of
+    the decode's 36 tokens. Checked like the other variants: one more call, then the reference
+    over the written cache."""
     import torch
 
     from zerodram.runtime.attention import DecodeBatch, Fp2DecodeAttention
@@ -259,17 +264,28 @@ def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, war
     hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
     short = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
     append = write.fused(*wargs)
-    side = torch.cuda.Stream()
+    least, greatest = torch.cuda.Stream.priority_range()
+    side, capture = torch.cuda.Stream(priority=least), torch.cuda.Stream(priority=greatest)
 
-    def step():
-        append.write_codes(side)
-        out = att(q, layer, short, max_len=L, num_splits=forced, append=append)
-        torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
-        return out
+    def layers(n: int, split: bool):
+        def run():
+            for _ in range(n):
+                if split:
+                    append.write_codes(side)
+                    att(q, layer, short, max_len=L, num_splits=forced, append=append)
+                else:
+                    best(q, layer, batch, max_len=L, num_splits=forced)
+            if split:
+                torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
 
-    row["fused1_ms"] = median_ms(step, args.reps, flush)
-    row["fused1_added_ms"] = row["fused1_ms"] - row["fp2_ms"]
-    step()  # one more step: its output is checked
+        return run
+
+    time = lambda fn: median_ms(fn, args.reps, flush, capture_stream=capture)  # noqa: E731
+    four_plain = time(layers(4, False))
+    row["fused1_ms"] = time(layers(4, True)) / 4
+    row["fused1_added_ms"] = row["fused1_ms"] - four_plain / 4
+    row["fused1_alone_added_ms"] = time(layers(1, True)) - time(layers(1, False))
+    layers(1, True)()  # one more step: its output is checked
     err = check_rel_err(att, q, layer, short, L, forced, out=att.out[:B].clone())
     row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
     if err > CHECK_TOL:
@@ -315,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
         f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
-        f" {'+fused1 us':>10}"
+        f" {'+fused1 us':>10} {'alone':>6}"
     )
     for r in rows:
         print(
@@ -324,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
             f" {1e3 * r['ewrite1_added_ms']:>11.1f} {1e3 * r.get('fused1_added_ms', nan):>10.1f}"
+            f" {1e3 * r.get('fused1_alone_added_ms', nan):>6.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)
     print(f"output check: worst relative error {worst:.2e} against reference_decode (tolerance {CHECK_TOL})")

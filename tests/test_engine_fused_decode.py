@@ -223,29 +223,26 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
         engine("bf16", "e4m3")
 
 
-def test_fused_append_auto_rule_and_config() -> None:
-    """EngineConfig.fused_append: True, False or "auto"; "auto" runs the KV write inside the
-    decode where the measured rule says it is faster (long contexts at B >= 8), at the sizes that
-    were measured on both sides of it (docs/benchmarks.md, "The engine's append inside the
-    decode"); on CPU the fused path never fuses (the write and the reference run apart)."""
-    from zerodram.runtime.engine.fp2_decode import append_inside_wins
+def test_fused_append_config() -> None:
+    """EngineConfig.fused_append: True, False or "auto" (the default); on CPU the fused path never
+    splits the write (the write and the reference run apart), whatever was asked."""
     from zerodram.runtime.errors import ConfigError
 
-    wins = {(8, 131072): True, (8, 65536): True, (32, 32768): True, (32, 65536): True}
-    loses = {(1, 131072): False, (1, 8192): False, (8, 32768): False, (8, 8192): False, (32, 8192): False}
-    for (b, length), want in {**wins, **loses}.items():
-        assert append_inside_wins(b, 8, length) == want, (b, length)
     assert EngineConfig().fused_append == "auto" and EngineConfig(fused_append=False).fused_append is False
+    with pytest.raises(ConfigError, match="fused_append"):
+        EngineConfig(fused_append="always")
+    kv = RuntimeKVPartition("fp2:tail=1,window=4", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
+    for mode in (True, "auto"):
+        fused = make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=mode)
+        assert isinstance(fused, Fp2FusedDecode) and not fused.fuses_append
     # a format the kernels cannot read keeps the gather path on CPU, where the option means nothing
     kv = RuntimeKVPartition("fp2:kblk=t32", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
     assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=True) is None
-    with pytest.raises(ConfigError, match="fused_append"):
-        EngineConfig(fused_append="always")
 
 
 def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
     """`fill_static` uploads each row's FP2 range and bf16 count after the step's write, whether the
-    step runs the write's bf16 half inside the decode (`appends_inside`) or not: the codes of the
+    step runs the write's bf16 half inside the decode (`fuses_append`) or not: the codes of the
     range's rows were written when they arrived, a window earlier. It returns the grid length (CPU:
     the host half alone; the kernels never fuse here, so the decision is forced)."""
     g = torch.Generator().manual_seed(3)

@@ -325,50 +325,40 @@ def test_gpu_engine_over_two_nvshmem_ranks_replays_graphs() -> None:
 
 @pytest.mark.parametrize("kv", [FP2_SPEC, "default"])
 def test_gpu_fused_append_gives_the_two_kernel_tokens(kv: str) -> None:
-    """EngineConfig.fused_append: the whole-step graphs with each layer's KV write inside its
-    decode kernel give the tokens of the same graphs with the write as a kernel of its own, on
-    SmolLM2's shape with random weights (FP2_SPEC, and the default format calibrated with error
-    feedback); prompts in their sinks, filling the window and flushing. To rounding, not to the
-    bit: the same grid and split plan, but the leaving row is attended in the bf16 CTA (fp32)
-    instead of by a split (int8 and fp16 MMAs), so greedy tokens may part at a near-tie (the same
-    bound as graphs against eager decode above)."""
+    """EngineConfig.fused_append: the whole-step graphs with each layer's KV write split (its bf16
+    half inside the decode kernel, its codes half on the low-priority codes stream, joined at the
+    step's end) give the tokens of the same graphs with the write as a kernel of its own before
+    the decode, on SmolLM2's shape with random weights (FP2_SPEC, and the default format
+    calibrated with error feedback), with "auto" (the default) and True; prompts in their sinks,
+    filling the window and flushing. The same cache bytes and ranges, and the same grid, so the
+    tokens agree; compared to a near-tie as graphs against eager decode above (the two kernel
+    builds are compiled apart)."""
     from zerodram.runtime.kv.format import DEFAULT_FP2
 
     kv = DEFAULT_FP2 if kv == "default" else kv
     model = "random:smollm2-135m"
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (90, 60, 3)]
-    two, _ = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True)
-    one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=True)
-    assert engine.attn.decode.fuses_append and any(s.whole for s in engine.graphs.steps.values())
-    assert _compare(f"{kv} fused append vs two kernels", one, two) >= 0.9
+    two, apart = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=False)
+    assert not apart.attn.decode.fuses_append
+    for mode in ("auto", True):
+        one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=mode)
+        assert engine.attn.decode.fuses_append and any(s.whole for s in engine.graphs.steps.values())
+        assert _compare(f"{kv} fused append ({mode}) vs two kernels", one, two) >= 0.9
 
 
-def test_gpu_fused_append_auto_mixes_both_kinds_of_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fused_append="auto", with the rule's threshold lowered so that one engine captures both
-    kinds of step: its bucket of 1 row keeps the write apart, its bucket of 4 runs it inside
-    (the attention module's two builds, the static metadata before or after the write). Greedy
-    tokens of both calls against an engine with the write always apart, to a near-tie."""
-    from zerodram.runtime.engine import fp2_decode
+def test_gpu_fused_append_needs_a_window() -> None:
+    """A format without a window attends a new token as FP2 in the step it arrives, so its write
+    cannot split: "auto" keeps the write as a launch of its own, True refuses."""
+    from zerodram.runtime.errors import ConfigError
 
-    model = "random:smollm2-135m"  # 3 KV heads: at the 1024-token length bucket 1 row is 3 k triples
-    monkeypatch.setattr(fp2_decode, "FUSED_APPEND_MIN_TRIPLES", 4096)  # 1 row: apart; 2 or more: inside
-    g = torch.Generator().manual_seed(10)
-    calls = [[torch.randint(0, 49152, (n,), generator=g).tolist() for n in ns] for ns in ((70,), (90, 60, 3))]
-    got = {}
-    for mode in (False, "auto"):
-        config = EngineConfig(
-            kv_format=FP2_SPEC, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4),
-            cuda_graphs=True, fused_append=mode,
-        )  # fmt: skip
-        engine = build_engine(model, CUDA, config, dtype="fp32")
-        assert engine.attn.decode.num_kv_heads == 3
-        got[mode] = [
-            o.token_ids for ps in calls for o in engine.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))
-        ]
-        decode = engine.attn.decode
-        assert [decode.appends_inside(b, 1024) for b in (1, 4)] == ([False, False] if mode is False else [False, True])
-    assert _compare("auto vs apart", got["auto"], got[False]) >= 0.9
+    config = lambda mode: EngineConfig(  # noqa: E731
+        kv_format="fp2:tail=1,window=0", num_kv_pages=16, page_size=32, cuda_graphs=True, fused_append=mode
+    )
+    engine = build_engine("random:smollm2-135m", CUDA, config("auto"), dtype="fp32")
+    assert not engine.attn.decode.fuses_append
+    with pytest.raises(ConfigError, match="window"):
+        build_engine("random:smollm2-135m", CUDA, config(True), dtype="fp32")
 
 
 def test_gpu_engine_with_the_default_format_calibrates_and_serves() -> None:

@@ -24,11 +24,12 @@ class EngineConfig:
     kv_calibration_save: write the constants there (runtime/engine/calibration.py).
     decode_value_product: how the fused FP2 decode's weights meet the values: "exact", or "e4m3",
     a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py).
-    fused_append: whether a GPU whole-step graph runs each layer's KV write inside its decode
-    kernel instead of as a launch before it (docs/fp2-kernel.md, "The append inside the decode"):
-    True, False, or "auto" (per captured step, where a measured rule says it is faster: long
-    contexts at B >= 8; `Fp2FusedDecode.appends_inside`), the default. Ignored on CPU and without
-    CUDA graphs."""
+    fused_append: whether a GPU whole-step graph splits each layer's KV write, the bf16 half (new
+    row, tail shift) inside its decode kernel and the codes half (written at arrival, read a
+    window later) on a low-priority stream beside the step (docs/fp2-kernel.md, "Codes at
+    arrival"): True (or ConfigError where the kernels or the format cannot: no window, say), False
+    (the write as a launch of its own before the decode), or "auto" (split wherever possible), the
+    default. Ignored on CPU and without CUDA graphs."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512

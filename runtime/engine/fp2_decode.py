@@ -49,20 +49,6 @@ def length_bucket(max_fp2: int) -> int:
     return max(1024, 1 << max(0, max_fp2 - 1).bit_length())
 
 
-# Where the append inside the decode is faster than its own launch: a step of at least this many
-# (row, KV head, FP2 token) triples in its grid. Measured (docs/benchmarks.md, "The engine's
-# append inside the decode"; H200 and H100, Hkv = 8): faster at B = 8 from 64k tokens and at B = 32
-# from 32k (B * Hkv * L >= 4.2 M), about even at B = 1, L = 128k (1 M) and B = 8, L = 32k (2.1 M),
-# slower below. Such steps run the split CTAs long enough to hide the bf16 CTAs' append; shorter
-# ones end before it.
-FUSED_APPEND_MIN_TRIPLES = 4 * 1024 * 1024
-
-
-def append_inside_wins(rows: int, kv_heads: int, grid_len: int) -> bool:
-    """The measured rule above, for a step of `rows` batch rows whose grid covers `grid_len` tokens."""
-    return rows * kv_heads * grid_len >= FUSED_APPEND_MIN_TRIPLES
-
-
 @dataclass(frozen=True)
 class _LayerConsts:
     """One layer's kernel view and per-query-head anchors, rebuilt if the cache's params change
@@ -106,10 +92,11 @@ class Fp2FusedDecode:
         scale: softmax scale (the one PagedAttention's SDPA uses).
         max_batch: most decode sequences in one step (the scheduler's max_num_seqs).
         value_product: `Fp2DecodeAttention`'s ("exact"; "e4m3" is a CPU emulation for kernel design).
-        fused_append: on a GPU, whether the whole-step graph's KV write runs inside the decode
-            kernel (`static_call`'s append; docs/fp2-kernel.md, "The append inside the decode"):
-            True, False, or "auto" (`appends_inside`: where the measured rule says it is faster).
-            Ignored on CPU, where the write and the reference decode run apart as always.
+        fused_append: on a GPU, whether the whole-step graph splits each layer's KV write, its
+            bf16 half inside the decode kernel (`static_call`'s append) and its codes half beside
+            it (docs/fp2-kernel.md, "Codes at arrival"): True (or ConfigError where the kernels
+            or the format cannot), False, or "auto" (wherever they can). Ignored on CPU, where the
+            write and the reference decode run apart as always.
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
@@ -140,8 +127,8 @@ class Fp2FusedDecode:
             )
         self.kv, self.scale = kv, scale
         self.num_kv_heads = c0.num_kv_heads
-        # The policy that picks, per captured step, whether the KV write runs inside the decode
-        # kernel (`appends_inside`): False where the kernels cannot do it, on CPU above all.
+        # Whether the static steps split the KV write (`fuses_append`): False where the kernels
+        # cannot, on CPU above all.
         # A window is needed too: the decode reads none of a step's new codes only where W >= 1.
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
         if fused_append is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
@@ -275,16 +262,9 @@ class Fp2FusedDecode:
 
     @property
     def fuses_append(self) -> bool:
-        """Whether any step may run the KV write inside the decode kernel (its build is loaded)."""
+        """Whether the static steps split the KV write, its bf16 half inside the decode kernel (the
+        fused build is loaded) and its codes half beside it (`fused_append`, where possible)."""
         return self.fused_append is not False
-
-    def appends_inside(self, bucket: int, grid_len: int) -> bool:
-        """Whether a static step of `bucket` rows whose grid covers `grid_len` FP2 tokens runs the
-        KV write inside the decode kernel (`fused_append`: True always, "auto" where
-        `append_inside_wins`)."""
-        if self.fused_append == "auto":
-            return append_inside_wins(bucket, self.num_kv_heads, grid_len)
-        return self.fused_append is True
 
     # --- the static path (the whole decode step in one CUDA graph) ------------------------------
 
@@ -326,8 +306,8 @@ class Fp2FusedDecode:
     ) -> torch.Tensor:
         """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
         FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: where
-        `appends_inside`, the step's KV write of this layer (the partition's `fused_append`), which
-        the kernel runs first (its bf16 half; the caller launches the codes half)."""
+        `fuses_append`, the step's KV write of this layer (the partition's `fused_append`), whose
+        bf16 half the kernel runs first (the caller launches the codes half)."""
         c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
         batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
         kp, vp = c.params

@@ -137,9 +137,18 @@ class StaticAttention:
         self.meta = fused.static_meta(bucket)
         self.bad = torch.zeros(num_layers, bucket, dtype=torch.bool, device=dev)  # [Ly, Bp]
         # Where a step runs the KV write's bf16 half inside the decode, its codes half (the new
-        # tokens' codes, which nothing reads for W steps) runs on this stream, beside the rest of
-        # the step; `join` brings it back before the step ends.
-        self.codes_stream = torch.cuda.Stream(dev) if fused.fuses_append else None
+        # tokens' codes, which nothing reads for W steps) runs on `codes_stream`, beside the rest of
+        # the step; `join` brings it back before the step ends. The step is captured on
+        # `capture_stream`, of the highest priority, and the codes stream has the lowest: a graph's
+        # nodes keep their capture stream's priority, so the block scheduler hands SMs to the
+        # step's own kernels first and the codes' CTAs take what they leave. Without that (equal
+        # priorities) the codes' CTAs, launched first, took SMs ahead of the decode's: +10-21 us a
+        # layer against +1.6-11 (H100, docs/benchmarks.md "Codes at arrival").
+        self.codes_stream = self.capture_stream = None
+        if fused.fuses_append:
+            least, greatest = torch.cuda.Stream.priority_range()
+            self.codes_stream = torch.cuda.Stream(dev, priority=least)
+            self.capture_stream = torch.cuda.Stream(dev, priority=greatest)
         self._forked = False
         self._rows: tuple[list[int], ...] | None = None
         self._lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
@@ -166,9 +175,9 @@ class StaticAttention:
     ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
         the write then the decode, or, where the decode path runs the write's bf16 half inside
-        (`appends_inside`, decided by the bucket and `max_len` alone), the decode with the codes
-        half beside it on `codes_stream` (joined by `join`)."""
-        if self.fused.appends_inside(self.bucket, max_len):
+        (`fuses_append`), the decode with the codes half beside it on `codes_stream` (joined by
+        `join`)."""
+        if self.fused.fuses_append:
             append = self.kv.fused_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
             append.write_codes(self.codes_stream)
             self._forked = True
@@ -288,7 +297,7 @@ class StaticDecodeStep:
             self._whole_step(max_len)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, stream=self.static_attn.capture_stream):
             self._whole_step(max_len)
         self.whole[max_len] = g
 

@@ -81,17 +81,22 @@ def copy_bandwidth(num_bytes: int | None = None, reps: int = 10, device: torch.d
     return 2 * n / (statistics.median(times[2:]) * 1e-3)
 
 
-def median_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor, *, graph: bool = True) -> float:
+def median_ms(
+    fn: Callable[[], object], reps: int, flush: torch.Tensor, *, graph: bool = True,
+    capture_stream: torch.cuda.Stream | None = None,
+) -> float:  # fmt: skip
     """Median milliseconds of `fn` over `reps` repetitions after 3 warm-up calls and 2 untimed
     repetitions, L2 flushed before each; `graph`: captured once in a CUDA graph and replayed (else
-    launched eagerly, for work that cannot be captured, e.g. a host sync)."""
+    launched eagerly, for work that cannot be captured, e.g. a host sync). `capture_stream`: the
+    stream the graph is captured on (its priority becomes the priority of the nodes captured from
+    it, as the engine's whole-step graph; default: torch's private capture stream)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     run = fn
     if graph:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=capture_stream):
             fn()
         run = g.replay
     times = []
