@@ -17,9 +17,9 @@ sequence (decode append) and a 32-token tail flush per sequence, alone, and the 
 time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
 and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
 window, the new token rounded with error feedback into its page row, kernels/kv_write.py), also
-split as the engine's fused steps run it, the bf16 half inside the decode kernel and the codes half
-beside it on a low-priority stream (`fused1_added_ms`: per layer of four in one graph, over plain
-decodes; `fused1_alone_added_ms`: one layer, joined right after; `--no-fused` skips it).
+deferred as the engine's captured steps make it, after the decode that attends its tokens, on a
+low-priority stream (`defer1_added_ms`: per layer of four in one graph, over plain decodes;
+`defer1_alone_added_ms`: one layer, joined right after; `--no-defer` skips it).
 
 Every timed FP2 variant is also checked: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
-    p.add_argument("--no-fused", action="store_true", help="skip the decode with the engine's append inside")
+    p.add_argument("--no-defer", action="store_true", help="skip the decode with the engine's append deferred after it")
 
 
 def _case(
@@ -144,7 +144,7 @@ def _case(
                 print(f"# CHECK FAILED: B={B} L={L} {tag}: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
             if "fp2_ms" not in row or ms < row["fp2_ms"]:
                 row["fp2_ms"], row["fp2_config"], row["splits"] = ms, tag, splits
-                best, best_layer, best_forced, best_cfg = att, vl_layer, forced, (warps, stages, min_blocks)
+                best, best_layer, best_forced = att, vl_layer, forced
     if "fp2_ms" not in row:
         raise SystemExit(f"B={B} L={L}: every --splits count exceeds the workspace; nothing was timed")
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
@@ -186,8 +186,8 @@ def _case(
                 flush,
             )
             row["ewrite1_added_ms"] = max(0.0, both - row["fp2_ms"])
-            if not args.no_fused:
-                _fused_append(row, B, L, q, best, best_cfg, best_layer, batch, best_forced, write, wargs, args, flush)
+            if not args.no_defer:
+                _deferred_write(row, B, L, q, best, best_layer, batch, best_forced, write, wargs, args, flush)
     if not args.no_fp16:
         k = torch.randn(B, HKV, L + HP, D, device=dev, dtype=torch.float16, generator=gen)
         v = torch.randn_like(k)
@@ -234,62 +234,58 @@ def _engine_write(B: int, layer, batch, gen):
     )  # fmt: skip
 
 
-def _fused_append(row, B, L, q, best, best_cfg, layer, batch, forced, write, wargs, args, flush) -> None:
-    """The engine's append split as its whole-step graphs run it (`fused_append`, docs/fp2-kernel.md
-    "Codes at arrival"): the best config's fused build over the same pages, its bf16 CTAs writing
-    `_engine_write`'s new rows and moving the tails first, and the codes half on a low-priority
-    stream beside it, into each sequence's last FP2 slot, which the decode's range stops before (in
-    the engine the codes go W slots past the range); captured on a high-priority stream, as the
-    engine captures its step. The codes of a layer overlap what follows them in the step, so the
-    timed sequence is four such layers with one join at the end, against four plain decodes
-    (`fused1_added_ms`, per layer; the feed-forward work between layers, which the codes may also
-    overlap, is left out), and one layer joined right after its decode (`fused1_alone_added_ms`:
+def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args, flush) -> None:
+    """The engine's append deferred as its whole-step graphs make it (`defer_write`,
+    docs/fp2-kernel.md "Codes at arrival"): the best config reads the new tokens from the step's
+    tensors and the tails of `_engine_write`'s regions as they are, then the write runs on a
+    low-priority stream (its codes into each sequence's last FP2 slot, which the decode's range
+    stops before; in the engine they go W slots past the range); captured on a high-priority
+    stream, as the engine captures its step. A layer's write overlaps what follows it in the step,
+    so the timed sequence is four such layers with one join at the end, against four plain decodes
+    (`defer1_added_ms`, per layer; the feed-forward work between layers, which the writes may also
+    overlap, is left out), and one layer joined right after its decode (`defer1_alone_added_ms`:
     nothing after it to overlap). Its bf16 region is the write's (sinks + window rows) instead of
     the decode's 36 tokens. Checked like the other variants: one more call, then the reference
     over the written cache."""
     import torch
 
-    from zerodram.runtime.attention import DecodeBatch, Fp2DecodeAttention
+    from zerodram.runtime.attention import DecodeBatch
     from zerodram.runtime.metrics.devtime import median_ms
 
-    warps, stages, min_blocks = best_cfg
-    att = Fp2DecodeAttention(
-        num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L, device="cuda",
-        num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=best.key_s8, v_layout=layer.v_layout,
-        fused_append=True,
-    )  # fmt: skip
     hp_k, hp_v, sinks, window = wargs[3], wargs[4], wargs[-2], wargs[-1]
     dev = q.device
     slots = torch.arange(B, dtype=torch.int32, device=dev)
     hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
     short = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
-    append = write.fused(*wargs)
+    pending = write.pending(*wargs)
     least, greatest = torch.cuda.Stream.priority_range()
     side, capture = torch.cuda.Stream(priority=least), torch.cuda.Stream(priority=greatest)
 
-    def layers(n: int, split: bool):
+    def layers(n: int, defer: bool):
         def run():
             for _ in range(n):
-                if split:
-                    append.write_codes(side)
-                    att(q, layer, short, max_len=L, num_splits=forced, append=append)
+                if defer:
+                    best(q, layer, short, max_len=L, num_splits=forced, pending=pending)
+                    pending.write_after(side)
                 else:
                     best(q, layer, batch, max_len=L, num_splits=forced)
-            if split:
+            if defer:
                 torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
 
         return run
 
     time = lambda fn: median_ms(fn, args.reps, flush, capture_stream=capture)  # noqa: E731
     four_plain = time(layers(4, False))
-    row["fused1_ms"] = time(layers(4, True)) / 4
-    row["fused1_added_ms"] = row["fused1_ms"] - four_plain / 4
-    row["fused1_alone_added_ms"] = time(layers(1, True)) - time(layers(1, False))
-    layers(1, True)()  # one more step: its output is checked
-    err = check_rel_err(att, q, layer, short, L, forced, out=att.out[:B].clone())
+    row["defer1_ms"] = time(layers(4, True)) / 4
+    row["defer1_added_ms"] = row["defer1_ms"] - four_plain / 4
+    row["defer1_alone_added_ms"] = time(layers(1, True)) - time(layers(1, False))
+    # one more step, checked: its output against the reference over the cache the write leaves
+    out = best(q, layer, short, max_len=L, num_splits=forced, pending=pending).clone()
+    write(*wargs)
+    err = check_rel_err(best, q, layer, short, L, forced, out=out)
     row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
     if err > CHECK_TOL:
-        print(f"# CHECK FAILED: B={B} L={L} fused append: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
+        print(f"# CHECK FAILED: B={B} L={L} deferred write: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -331,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
         f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
-        f" {'+fused1 us':>10} {'alone':>6}"
+        f" {'+defer1 us':>10} {'alone':>6}"
     )
     for r in rows:
         print(
@@ -339,8 +335,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
-            f" {1e3 * r['ewrite1_added_ms']:>11.1f} {1e3 * r.get('fused1_added_ms', nan):>10.1f}"
-            f" {1e3 * r.get('fused1_alone_added_ms', nan):>6.1f}"
+            f" {1e3 * r['ewrite1_added_ms']:>11.1f} {1e3 * r.get('defer1_added_ms', nan):>10.1f}"
+            f" {1e3 * r.get('defer1_alone_added_ms', nan):>6.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)
     print(f"output check: worst relative error {worst:.2e} against reference_decode (tolerance {CHECK_TOL})")

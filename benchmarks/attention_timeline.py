@@ -11,9 +11,7 @@ min / median / max of each mark, in microseconds after the first CTA's start, an
 between marks; for the bf16 CTAs their start and end. The stamps add a few instructions per CTA,
 none in the main loop. Shapes as benchmarks/attention.py: Hq 32, Hkv 8, D 128, page 64, 36 bf16
 tokens per sequence, int8 keys, quad values. docs/fp2-kernel.md, "Where it stands after the
-one-launch kernel", has what a run showed. `--fused` times the build whose bf16 CTAs run the bf16
-half of the engine's append first (the codes half beside it on a second stream, as the engine runs
-it) and adds the bf16 CTAs' steps (the append, the attention).
+one-launch kernel", has what a run showed.
 """
 
 from __future__ import annotations
@@ -32,13 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="8192,131072")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
-    p.add_argument(
-        "--fused",
-        action="store_true",
-        help="the fused build: each bf16 CTA runs the bf16 half of the engine's append first "
-        "(benchmarks/attention.py's engine write, every row flushing), the codes half beside it; adds "
-        "the bf16 CTAs' steps to the table",
-    )
 
 
 def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
@@ -64,26 +55,15 @@ def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
         "span: count and merge": [r[4] - r[3] for r in splits + bf16],
         "bf16 start": [r[0] - t0 for r in bf16],
         "bf16 partial written": [r[3] - t0 for r in bf16],
-        # the fused build's bf16 CTAs stamp their append's end in column 1 (else 0)
-        **(
-            {
-                "bf16 span: append": [r[1] - r[0] for r in bf16],
-                "bf16 span: attention": [r[3] - r[1] for r in bf16],
-            }
-            if bf16 and all(r[1] for r in bf16)
-            else {}
-        ),
         "last done": [max(r[4] for r in splits + bf16) - t0],
     }
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
-def _case(B: int, L: int, flush, fused: bool) -> tuple[list[list[int]], int]:
+def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
     import torch
 
-    from zerodram.launch.bench_cmd import load_sibling
     from zerodram.runtime.attention import (
-        DecodeBatch,
         Fp2DecodeAttention,
         random_decode_batch,
         random_fp2_layer,
@@ -96,28 +76,14 @@ def _case(B: int, L: int, flush, fused: bool) -> tuple[list[list[int]], int]:
     q = torch.randn(B, HQ, D, device="cuda", generator=gen)
     att = Fp2DecodeAttention(
         num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
-        device="cuda", v_layout="quad", timeline=True, fused_append=fused,
+        device="cuda", v_layout="quad", timeline=True,
     )  # fmt: skip
-    append, side = None, torch.cuda.Stream()
-    if fused:  # as benchmarks/attention.py times it: the range stops before the codes' slot, its bf16 region
-        write, wargs = load_sibling(__file__, "attention")._engine_write(B, layer, batch, gen)
-        hp_len = torch.full((B,), wargs[-2] + wargs[-1], dtype=torch.int32, device="cuda")
-        slots = torch.arange(B, dtype=torch.int32, device="cuda")
-        batch = DecodeBatch(batch.block_table, batch.fp2_len - 1, wargs[3], wargs[4], hp_len, slots)
-        append = write.fused(*wargs)
-
-    def call():
-        if append is not None:
-            append.write_codes(side)
-        att(q, layer, batch, max_len=L, append=append)
-        torch.cuda.current_stream().wait_stream(side)
-
     for _ in range(3):
-        call()
+        att(q, layer, batch, max_len=L)
     assert att.timeline is not None
     att.timeline.zero_()
     flush.sum()
-    call()
+    att(q, layer, batch, max_len=L)
     torch.cuda.synchronize()
     splits = att.plan(B, L)[0]
     stamps = att.timeline[: (splits + 1) * HKV * B].tolist()
@@ -134,13 +100,12 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
-            stamps, splits = _case(B, L, flush, args.fused)
+            stamps, splits = _case(B, L, flush)
             marks, sms = summarize(stamps), len({r[5] for r in stamps})
             if args.raw:
                 with open(args.raw, "a") as f:  # [start, first stage, loop end, partial, finish, SM, kind, stages]
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
-            what = ", the append inside" if args.fused else ""
-            print(f"\n# {name}, B = {B}, L = {L}{what}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
+            print(f"\n# {name}, B = {B}, L = {L}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
             for k, (lo, mid, hi) in marks.items():
                 print(f"{k:>24} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
             if args.json:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.kv_write import NUM_CAND, FusedAppend
+from zerodram.kernels.kv_write import NUM_CAND, PendingAppend
 from zerodram.kernels.module import launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
@@ -53,10 +53,6 @@ class Fp2KernelConfig:
     # of both halves running both (attn_fp2_decode_compute.cuh, kHalf); no effect otherwise.
     half_softmax: bool = False
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
-    # The bf16 half of the engine's decode write inside the decode (FUSED_WRITE: each row's bf16 CTA
-    # puts the new token into its region and moves the tail first; attn_fp2_decode.cu,
-    # fused_append; the codes half runs beside it, kernels/kv_write.py). 4 warps.
-    fused_write: bool = False
     # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
     # CTA) where the grid is short (a decode append: a latency chain, one warp walking all 33 was
     # most of its time); a grid of more than two CTAs per SM (a prefill chunk, a tail flush) is a
@@ -78,7 +74,6 @@ class Fp2KernelConfig:
             "V_QUAD": int(self.v_quad),
             "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
-            "FUSED_WRITE": int(self.fused_write),
             "NUM_CAND": NUM_CAND,
         }
 
@@ -180,7 +175,7 @@ class Fp2Kernels:
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
         timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
-        append: FusedAppend | None = None,  # a cfg.fused_write build: the rows' bf16 writes, done first
+        pending: PendingAppend | None = None,  # the step's write, made after this call: its tokens
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
         S = o_part.shape[2]
@@ -199,7 +194,7 @@ class Fp2Kernels:
             ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
             np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),
             ptr(timeline) if timeline is not None else np.uint64(0),
-            *(append.args if append is not None else FusedAppend.NONE),
+            *(pending.args if pending is not None else PendingAppend.NONE),
         )  # fmt: skip
         launch(
             # one dimension, the splits first (attn_fp2_decode.cu): the bf16 CTAs take what is left

@@ -72,41 +72,37 @@ def unsupported(
     return None
 
 
-# The kernel's halves (its `parts` argument): the new token to its bf16 row and the tail shift, and
-# the new token's codes into its own page row (written at arrival, read W steps later).
-BF16, CODES = 1, 2
-
-
 @dataclass(frozen=True)
-class FusedAppend:
-    """A decode write split in its halves: the bf16 half handed to the decode-attention kernel's
-    FUSED_WRITE build (kernels/attention.py; `args` in the order of attn_fp2_decode's ap_*
-    parameters, `rows` the batch rows it writes, the decode's B), the codes half launched apart
-    (`write_codes`), beside the decode. `keep` holds the tensors behind the raw pointers in `args`
-    that nothing else holds (the stored-space tokens): freed before the launches, their memory
-    would go to the next allocation on the stream, or inside a graph capture to a later node's,
-    and the kernels would read that instead."""
+class PendingAppend:
+    """A decode write made after the decode that attends its tokens instead of before it: `args`
+    in the order of attn_fp2_decode's new_* parameters (the step's new tokens, read by the rows'
+    bf16 CTAs from here instead of from their regions; the index, whose flush row tells them which
+    tail row the write will drop; the sinks), `rows` the batch rows (the decode's B), `write` the
+    launch of the write itself on the current stream (`write_after`). `keep` holds the tensors
+    behind the raw pointers that nothing else holds (the stored-space tokens): freed before the
+    launches, their memory would go to the next allocation on the stream, or inside a graph capture
+    to a later node's, and the kernels would read that instead."""
 
     args: tuple
     rows: int
+    targets: tuple = ()  # the write's bf16 regions (hp_k, hp_v), as raw pointers
     keep: tuple = ()
-    codes: Callable[[], None] | None = None  # launches the codes half on the current stream
-    NONE: ClassVar[tuple] = (np.uint64(0),) * 5 + (np.int32(0),) * 2  # no append (null index)
-    TARGETS: ClassVar[tuple[str, ...]] = ("hp_k", "hp_v")
+    write: Callable[[], None] | None = None
+    NONE: ClassVar[tuple] = (np.uint64(0),) * 3 + (np.int32(0),)  # nothing pending (null tokens)
 
-    def other_targets(self, *tensors: torch.Tensor) -> list[str]:
-        """Which of `tensors` (`TARGETS`, in that order: what a decode reads) this write does not
-        write: a write into another cache's region would leave the decode attending stale rows,
-        silently."""
-        return [n for n, t, a in zip(self.TARGETS, tensors, self.args[3:5], strict=True) if ptr(t) != a]
+    def other_regions(self, hp_k: torch.Tensor, hp_v: torch.Tensor) -> list[str]:
+        """Which of the regions a decode reads (hp_k, hp_v) this write does not write: a decode
+        that attends a pending write's tokens beside another cache's tail would be silently wrong."""
+        return [n for n, t, a in zip(("hp_k", "hp_v"), (hp_k, hp_v), self.targets, strict=True) if ptr(t) != a]
 
-    def write_codes(self, stream: torch.cuda.Stream) -> None:
-        """The codes half on `stream`, after everything queued so far on the current stream (the
-        stored-space tokens). Nothing waits for it here: the caller joins `stream` back before the
-        step's next write of these caches (inside a graph capture: before the capture ends)."""
+    def write_after(self, stream: torch.cuda.Stream) -> None:
+        """The write on `stream`, after everything queued so far on the current stream (the decode
+        that reads its tokens and the regions as they were). Nothing waits for it here: the caller
+        joins `stream` back before anything reads the regions or pages it writes (inside a graph
+        capture: before the capture ends)."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.codes()
+            self.write()
         for t in self.keep[:2]:  # the tokens, made on the current stream, are read on `stream` too
             t.record_stream(stream)
 
@@ -158,10 +154,9 @@ class Fp2DecodeWrite:
         v_rows: torch.Tensor | None,
         num_sinks: int,
         window: int,
-        parts: int = BF16 | CODES,
     ) -> None:
         args = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-                          k_rows, v_rows, num_sinks, window, parts)  # fmt: skip
+                          k_rows, v_rows, num_sinks, window)  # fmt: skip
         self._launch(args, yk.shape[0], yk.shape[1], k_rows is not None or v_rows is not None)
 
     def _launch(self, args: tuple, Bp: int, H: int, factor: bool) -> None:
@@ -171,20 +166,20 @@ class Fp2DecodeWrite:
             with torch.cuda.device(self.device):
                 launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
 
-    def fused(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-              k_rows, v_rows, num_sinks: int, window: int) -> FusedAppend:  # fmt: skip
-        """The same write (`__call__`'s arguments) in its halves: the bf16 half for the decode
-        kernel to run in its bf16 CTAs, the codes half to launch beside it."""
+    def pending(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
+                k_rows, v_rows, num_sinks: int, window: int) -> PendingAppend:  # fmt: skip
+        """The same write (`__call__`'s arguments), not launched: for a decode to attend its tokens
+        first and the caller to launch it after (`PendingAppend.write_after`)."""
         a = self._args(yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-                       k_rows, v_rows, num_sinks, window, CODES)  # fmt: skip
+                       k_rows, v_rows, num_sinks, window)  # fmt: skip
         Bp, H = yk.shape[:2]
-        return FusedAppend(
-            args=a[:5] + a[16:18], rows=Bp, keep=(yk, yv, index),
-            codes=partial(self._launch, a, Bp, H, k_rows is not None or v_rows is not None),
+        return PendingAppend(
+            args=(a[0], a[1], a[2], a[16]), rows=Bp, targets=(a[3], a[4]), keep=(yk, yv, index),
+            write=partial(self._launch, a, Bp, H, k_rows is not None or v_rows is not None),
         )  # fmt: skip
 
     def _args(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
-              k_rows, v_rows, num_sinks: int, window: int, parts: int) -> tuple:  # fmt: skip
+              k_rows, v_rows, num_sinks: int, window: int) -> tuple:  # fmt: skip
         # The per-call inputs; the cache's own tensors were checked when it set them. Bp is the
         # grid and the stride between index rows: a mismatch would write through wrong rows.
         Bp, H, D = yk.shape
@@ -205,5 +200,5 @@ class Fp2DecodeWrite:
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
             ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
             ptr(k_levels), ptr(v_levels), ptr(self.fracs), opt(k_rows), opt(v_rows),
-            np.int32(num_sinks), np.int32(window), np.int32(self.rules), np.int32(parts),
+            np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip

@@ -223,26 +223,26 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
         engine("bf16", "e4m3")
 
 
-def test_fused_append_config() -> None:
-    """EngineConfig.fused_append: True, False or "auto" (the default); on CPU the fused path never
+def test_defer_write_config() -> None:
+    """EngineConfig.defer_write: True, False or "auto" (the default); on CPU the fused path never
     splits the write (the write and the reference run apart), whatever was asked."""
     from zerodram.runtime.errors import ConfigError
 
-    assert EngineConfig().fused_append == "auto" and EngineConfig(fused_append=False).fused_append is False
-    with pytest.raises(ConfigError, match="fused_append"):
-        EngineConfig(fused_append="always")
+    assert EngineConfig().defer_write == "auto" and EngineConfig(defer_write=False).defer_write is False
+    with pytest.raises(ConfigError, match="defer_write"):
+        EngineConfig(defer_write="always")
     kv = RuntimeKVPartition("fp2:tail=1,window=4", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
     for mode in (True, "auto"):
-        fused = make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=mode)
-        assert isinstance(fused, Fp2FusedDecode) and not fused.fuses_append
+        fused = make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, defer_write=mode)
+        assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write
     # a format the kernels cannot read keeps the gather path on CPU, where the option means nothing
     kv = RuntimeKVPartition("fp2:kblk=t32", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
-    assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, fused_append=True) is None
+    assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, defer_write=True) is None
 
 
 def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
     """`fill_static` uploads each row's FP2 range and bf16 count after the step's write, whether the
-    step runs the write's bf16 half inside the decode (`fuses_append`) or not: the codes of the
+    step runs the write's bf16 half inside the decode (`defers_write`) or not: the codes of the
     range's rows were written when they arrived, a window earlier. It returns the grid length (CPU:
     the host half alone; the kernels never fuse here, so the decision is forced)."""
     g = torch.Generator().manual_seed(3)
@@ -252,13 +252,13 @@ def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
         kv.reserve(sid, n)
         for layer in range(2):
             kv.write(layer, sid, 0, torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g))
-    fused = make_decode_attention(kv, num_q_heads=6, scale=0.125, max_batch=8, fused_append="auto")
-    assert isinstance(fused, Fp2FusedDecode) and not fused.fuses_append  # CPU: never inside
+    fused = make_decode_attention(kv, num_q_heads=6, scale=0.125, max_batch=8, defer_write="auto")
+    assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write  # CPU: never inside
     rule, meta = fused.rule, fused.static_meta(8)
     seq_ids = tuple(range(len(lengths)))
     after = [rule.num_quantized(n) for n in lengths]
     for inside in (False, True):
-        fused.fused_append = inside  # what a GPU build's decision would be
+        fused.defer_write = inside  # what a GPU build's decision would be
         grid = fused.fill_static(meta, seq_ids, lengths)
         assert grid == fused.grid_len(max(after))
         assert meta.fp2_len.tolist() == [*after, 0, 0, 0]

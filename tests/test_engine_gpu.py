@@ -324,39 +324,39 @@ def test_gpu_engine_over_two_nvshmem_ranks_replays_graphs() -> None:
 
 
 @pytest.mark.parametrize("kv", [FP2_SPEC, "default"])
-def test_gpu_fused_append_gives_the_two_kernel_tokens(kv: str) -> None:
-    """EngineConfig.fused_append: the whole-step graphs with each layer's KV write split (its bf16
-    half inside the decode kernel, its codes half on the low-priority codes stream, joined at the
-    step's end) give the tokens of the same graphs with the write as a kernel of its own before
-    the decode, on SmolLM2's shape with random weights (FP2_SPEC, and the default format
-    calibrated with error feedback), with "auto" (the default) and True; prompts in their sinks,
-    filling the window and flushing. The same cache bytes and ranges, and the same grid, so the
-    tokens agree; compared to a near-tie as graphs against eager decode above (the two kernel
-    builds are compiled apart)."""
+def test_gpu_defer_write_gives_the_two_kernel_tokens(kv: str) -> None:
+    """EngineConfig.defer_write: the whole-step graphs with each layer's KV write made after its
+    decode (the decode reading the new tokens from the step's tensors; the write on the
+    low-priority write stream, joined at the step's end) give the tokens of the same graphs with
+    the write as a kernel of its own before the decode, on SmolLM2's shape with random weights
+    (FP2_SPEC, and the default format calibrated with error feedback), with "auto" (the default)
+    and True; prompts in their sinks, filling the window and flushing. The decode kernel computes
+    the same outputs either way (test_kv_decode_write.py: bit for bit); compared to a near-tie as
+    graphs against eager decode above."""
     from zerodram.runtime.kv.format import DEFAULT_FP2
 
     kv = DEFAULT_FP2 if kv == "default" else kv
     model = "random:smollm2-135m"
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (90, 60, 3)]
-    two, apart = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=False)
-    assert not apart.attn.decode.fuses_append
+    two, apart = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, defer_write=False)
+    assert not apart.attn.decode.defers_write
     for mode in ("auto", True):
-        one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, fused_append=mode)
-        assert engine.attn.decode.fuses_append and any(s.whole for s in engine.graphs.steps.values())
-        assert _compare(f"{kv} fused append ({mode}) vs two kernels", one, two) >= 0.9
+        one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, defer_write=mode)
+        assert engine.attn.decode.defers_write and any(s.whole for s in engine.graphs.steps.values())
+        assert _compare(f"{kv} deferred write ({mode}) vs two kernels", one, two) >= 0.9
 
 
-def test_gpu_fused_append_needs_a_window() -> None:
+def test_gpu_defer_write_needs_a_window() -> None:
     """A format without a window attends a new token as FP2 in the step it arrives, so its write
-    cannot split: "auto" keeps the write as a launch of its own, True refuses."""
+    cannot wait: "auto" keeps the write as a launch of its own before the decode, True refuses."""
     from zerodram.runtime.errors import ConfigError
 
     config = lambda mode: EngineConfig(  # noqa: E731
-        kv_format="fp2:tail=1,window=0", num_kv_pages=16, page_size=32, cuda_graphs=True, fused_append=mode
+        kv_format="fp2:tail=1,window=0", num_kv_pages=16, page_size=32, cuda_graphs=True, defer_write=mode
     )
     engine = build_engine("random:smollm2-135m", CUDA, config("auto"), dtype="fp32")
-    assert not engine.attn.decode.fuses_append
+    assert not engine.attn.decode.defers_write
     with pytest.raises(ConfigError, match="window"):
         build_engine("random:smollm2-135m", CUDA, config(True), dtype="fp32")
 

@@ -222,6 +222,6 @@ def test_graph_options_map_to_the_engine_config() -> None:
     assert engine_config(p.parse_args([])).cuda_graphs == "auto"  # the engine decides
     assert engine_config(p.parse_args(["--cuda-graphs", "on"])).cuda_graphs is True
     assert engine_config(p.parse_args(["--cuda-graphs", "off"])).cuda_graphs is False
-    assert engine_config(p.parse_args([])).fused_append == "auto"
-    assert engine_config(p.parse_args(["--fused-append", "on"])).fused_append is True
-    assert engine_config(p.parse_args(["--fused-append", "off"])).fused_append is False
+    assert engine_config(p.parse_args([])).defer_write == "auto"
+    assert engine_config(p.parse_args(["--defer-write", "on"])).defer_write is True
+    assert engine_config(p.parse_args(["--defer-write", "off"])).defer_write is False

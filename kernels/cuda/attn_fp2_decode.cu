@@ -65,17 +65,11 @@
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
 #endif
-#ifndef FUSED_WRITE
-#define FUSED_WRITE 0  // 1: a row's bf16 CTA runs the engine's decode write first (fused_append below)
-#endif
 
 // The stage (layout, permutations, copies) and its computation, split out for size.
 #include "attn_fp2_decode_stage.cuh"
 #include "attn_fp2_decode_compute.cuh"
 #include "attn_fp2_decode_merge.cuh"
-#if FUSED_WRITE
-#include "fp2_write_row.cuh"
-#endif
 
 // TIMELINE builds (benchmarks/attention_timeline.py): row i of `timeline` [grid, 8] uint64 is CTA
 // i's %globaltimer (ns) at start (0), stage 0 landed (1), main loop done (2), partial written (3),
@@ -103,46 +97,6 @@ ZD_DEVICE unsigned long long sm_id() {
   } while (0)
 #endif
 
-#if FUSED_WRITE
-// The bf16 half of the engine's decode write (fp2_decode_write.cu's steps 1 and 3) inside the
-// decode: the bf16 CTA of row (b, kvh) puts the row's new K and V token into its bf16 region and,
-// where the row flushes, moves the tails up, then attends. The new token's codes are written at
-// arrival by the write kernel's codes half, on a side stream beside this kernel (runtime/engine,
-// `StaticAttention`): nothing reads them for W steps (W >= 1; the splits' masked rows past fp2_hi
-// may copy them half-written, harmlessly). The leaving row's codes were written W steps ago, so
-// the splits' FP2 range and hp_len are the ones after the write. docs/fp2-kernel.md, "Codes at
-// arrival".
-struct AppendArgs {
-  const __nv_bfloat16* yk;  // [B, Hkv, D] bf16, the new tokens in the stored space
-  const __nv_bfloat16* yv;
-  const long long* index;   // [5, B] slot, row, flush, page, page row (StaticDecodeIndex); null: no append
-  __nv_bfloat16* hp_k;      // [slots + 1, Hkv, R, D] the bf16 regions (the decode's hp_k / hp_v, writable)
-  __nv_bfloat16* hp_v;
-  int num_sinks, window;
-};
-static_assert(NUM_WARPS * 32 == fp2w::kRowThreads, "the tail shift runs in the write's 128-thread CTA");
-static_assert(HEAD_DIM == fp2w::D, "one head dim");
-
-// Row (b, kvh)'s new tokens and tail shift by the whole CTA (a uniform caller: barriers inside).
-__device__ __noinline__ void fused_append(const AppendArgs& a, int b, int kvh, int B, int H, int hp_rows) {
-  const long long slot = a.index[b], row = a.index[B + b];
-  const bool flush = a.index[2 * B + b] != 0;
-  const long long region = (slot * H + kvh) * hp_rows * D;
-  __nv_bfloat16* const hk = a.hp_k + region;
-  __nv_bfloat16* const hv = a.hp_v + region;
-  const long long tok = (static_cast<long long>(b) * H + kvh) * D;
-  // 1. the new tokens to their row
-  if (threadIdx.x < D / 8)
-    reinterpret_cast<uint4*>(hk + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(a.yk + tok)[threadIdx.x];
-  else if (threadIdx.x < D / 4)
-    reinterpret_cast<uint4*>(hv + row * D)[threadIdx.x - D / 8] =
-        reinterpret_cast<const uint4*>(a.yv + tok)[threadIdx.x - D / 8];
-  __syncthreads();
-  // 3. the tails move up where the row flushes (both in one round trip)
-  if (flush && a.window > 0) fp2w::shift_tails(hk + a.num_sinks * D, hv + a.num_sinks * D, a.window);
-  __syncthreads();  // the region's rows are in place for bf16_partial's copies
-}
-#endif
 
 // q        [B, Hq, D] fp32 (stored key space: rotated, anchor-folded); q_scale = softmax_scale * log2(e)
 // k_codes  page pool [NP, Hkv, P, D/16] of key code words, dense: page p, kv head h, slot j is pool
@@ -160,12 +114,12 @@ __device__ __noinline__ void fused_append(const AppendArgs& a, int b, int kvh, i
 // row_done [B, Hkv] int32, zero between launches: partials counted per row (finish_row)
 // out      [B, Hq, D] fp32, normalised (stored value space)
 // timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
-// ap_*     the fused append's arguments (AppendArgs, in its order; FUSED_WRITE builds read them, the
-//          others never do): ap_index null, or with FUSED_WRITE the rows' bf16 writes first. Hazard:
-//          they write memory that hp_k / hp_v also point to, which are const __restrict__. That
-//          holds only because every read through those is a cp.async in inline asm (with a memory
-//          clobber): a plain load through them (an __ldg, say) could be served from the read-only
-//          path with bytes from before this CTA's write.
+// new_k, new_v  [B, Hkv, D] bf16 or null: the step's new tokens (stored space), which the engine
+//          writes into the regions after this kernel (kernels/kv_write.py `PendingAppend`); then
+//          hp_len counts them (the lengths after the write) and each row's bf16 CTA reads its new
+//          token from here and its tail as the last step left it: new_index [5, B] int64
+//          (StaticDecodeIndex) row 2 says where the write will flush, i.e. drop the oldest tail
+//          row (attended as FP2 by the splits), new_sinks the sinks (PendingRow)
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
 // i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
 // order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
@@ -180,8 +134,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                     const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
                     const int32_t* __restrict__ hp_slot, long long hp_b_stride, long long hp_h_stride, int hp_max,
                     int* __restrict__ row_done, float* __restrict__ out, unsigned long long* __restrict__ timeline,
-                    const __nv_bfloat16* ap_yk, const __nv_bfloat16* ap_yv, const long long* ap_index,
-                    __nv_bfloat16* ap_hp_k, __nv_bfloat16* ap_hp_v, int ap_num_sinks, int ap_window) {
+                    const __nv_bfloat16* __restrict__ new_k, const __nv_bfloat16* __restrict__ new_v,
+                    const long long* __restrict__ new_index, int new_sinks) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   ZD_STAMP(0, globaltimer());
   ZD_STAMP(5, sm_id());
@@ -208,17 +162,16 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   if (bf16_cta) {
     const long long slot = hp_slot[b];
     const int n_hp = hp_len[b];
-#if FUSED_WRITE
-    if (ap_index != nullptr) {
-      const AppendArgs ap{ap_yk, ap_yv, ap_index, ap_hp_k, ap_hp_v, ap_num_sinks, ap_window};
-      fused_append(ap, b, kvh, gridDim.x / ((num_splits + 1) * num_kv_heads), num_kv_heads, hp_max);
-      ZD_STAMP(1, globaltimer());  // (a bf16 CTA's column 1: its append done)
+    PendingRow pending{nullptr, nullptr, 0, 0};
+    if (new_k != nullptr) {
+      const int B = gridDim.x / ((num_splits + 1) * num_kv_heads);
+      const size_t tok = (size_t(b) * num_kv_heads + kvh) * D;
+      pending = PendingRow{new_k + tok, new_v + tok, new_sinks, new_index[2 * B + b] != 0};
     }
-#endif
     bf16_partial(q + head0 * D, q_scale, hp_k + slot * hp_b_stride + kvh * hp_h_stride,
                  hp_v + slot * hp_b_stride + kvh * hp_h_stride, min(n_hp, hp_max),
                  RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
-                 num_splits, reinterpret_cast<float*>(smem_raw));
+                 num_splits, reinterpret_cast<float*>(smem_raw), pending);
     ZD_STAMP(3, globaltimer());
     ZD_STAMP(6, 2);
     finish(row);

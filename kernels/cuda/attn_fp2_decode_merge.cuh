@@ -28,6 +28,17 @@ struct RowPartials {
   ZD_DEVICE float* ml_at(int head, int slot) const { return ml + (size_t(head) * max_splits + slot) * 2; }
 };
 
+// A step's new token not yet in its bf16 region (the engine writes it after the decode, beside the
+// step: docs/fp2-kernel.md, "Codes at arrival"): bf16_partial's last token comes from k / v
+// ([D] bf16 each), and the region's tail rows from row `sinks` on are read `drop` rows further on
+// (1 where the step flushes the oldest tail row, which the splits attend as FP2: its codes were
+// written when it arrived). k null: the region holds every token.
+struct PendingRow {
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  int sinks, drop;
+};
+
 // The bf16 tokens of row (b, kvh) as one more partial, in slot `slot`: for each head, the max m of
 // its logits, l = sum of 2^(logit - m) and o = sum of 2^(logit - m) v (unnormalised), like a split.
 // This CTA runs beside the FP2 splits on loaded SMs, where every dependent global round trip takes
@@ -38,7 +49,7 @@ struct RowPartials {
 // per (head, channel) the values into o. No token at all: m = -inf, l = 0, o = 0 (weighs 0).
 ZD_DEVICE void bf16_partial(const float* __restrict__ q, float q_scale, const __nv_bfloat16* __restrict__ kb,
                             const __nv_bfloat16* __restrict__ vb, int n_hp, const RowPartials& rp, int slot,
-                            float* smem) {
+                            float* smem, const PendingRow& pending) {
   constexpr int kItems = (GROUP * D + kThreads - 1) / kThreads;  // (head, channel) outputs per thread
   constexpr int kRowChunks = D / 8;                                // 16-byte pieces of a bf16 row
   float* qs = smem;                     // [G, D] q in log2 units
@@ -60,8 +71,15 @@ ZD_DEVICE void bf16_partial(const float* __restrict__ q, float q_scale, const __
     const int cn = min(kHpChunk, n_hp - j0);
     __syncthreads();  // the previous round's keys, values and weights are used up
     for (int i = threadIdx.x; i < cn * kRowChunks; i += kThreads) {
-      cp_async16(k_dst + 16 * i, kb + size_t(j0) * D + 8 * i, 16);
-      cp_async16(v_dst + 16 * i, vb + size_t(j0) * D + 8 * i, 16);
+      const int j = j0 + i / kRowChunks, piece = 8 * (i % kRowChunks);  // token j's 16-byte piece
+      if (pending.k != nullptr && j == n_hp - 1) {
+        cp_async16(k_dst + 16 * i, pending.k + piece, 16);
+        cp_async16(v_dst + 16 * i, pending.v + piece, 16);
+      } else {
+        const size_t at = size_t(j < pending.sinks ? j : j + pending.drop) * D + piece;
+        cp_async16(k_dst + 16 * i, kb + at, 16);
+        cp_async16(v_dst + 16 * i, vb + at, 16);
+      }
     }
     cp_async_commit();
     cp_async_wait<0>();

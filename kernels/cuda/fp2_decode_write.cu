@@ -59,8 +59,6 @@ constexpr int NUM_THREADS = kRowThreads;
 // k_levels, v_levels  [4] fp32 sorted; fracs [C] fp32 (MSE candidates)
 // k_rows, v_rows      [H, D, D] fp32 feedback factor / its diagonal per row, or null (nearest codes)
 // rules         bit 0: keys take the MSE rule (else absmax), bit 1: values
-// parts         bit 0: the bf16 half (steps 1 and 3), bit 1: the codes half (steps 2, 4 and 5); the
-//               engine runs the halves apart, the codes off the step's critical path (kv_write.py)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     fp2_decode_write(const __nv_bfloat16* __restrict__ yk, const __nv_bfloat16* __restrict__ yv,
                      const long long* __restrict__ index, __nv_bfloat16* hp_k, __nv_bfloat16* hp_v, int hp_rows,
@@ -68,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                      uint8_t* __restrict__ v_scales, int page_size, const float* __restrict__ k_levels,
                      const float* __restrict__ v_levels, const float* __restrict__ fracs,
                      const float* __restrict__ k_rows, const float* __restrict__ v_rows, int num_sinks, int window,
-                     int rules, int parts) {
+                     int rules) {
   const int b = blockIdx.x, h = blockIdx.y, side = blockIdx.z;
   const int Bp = gridDim.x, H = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -79,13 +77,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)b * H + h) * D;
 
   // 1. the new token to its row
-  if ((parts & 1) && threadIdx.x < D / 8)
+  if (threadIdx.x < D / 8)
     reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
   __syncthreads();
-  if (!(parts & 2)) {  // the bf16 half alone: 3. the tail moves up where the row flushes
-    if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
-    return;
-  }
 
   // 2. the new token, lane-strided, into every warp (the search is shared); the head's factor
   // rows copied into shared memory (staged build) or asked of L2 (L2 build) now, so that the
@@ -109,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     }
   }
   // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
-  if ((parts & 1) && flush && window > 0) shift_tail(hp + num_sinks * D, window);
+  if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
 
   // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
   // the scratch page (warp 0)

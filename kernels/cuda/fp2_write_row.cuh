@@ -1,9 +1,7 @@
 // One FP2 decode write of one row and side, the pieces: the tail shift, the scale search, the
-// error-feedback chain and the packing of runtime/kv/fp2_cache.py's `write_decode_static`. Two
-// kernels include it: fp2_decode_write.cu (the write, whose header comment explains the steps and
-// their hazards) and attn_fp2_decode.cu's FUSED_WRITE build (the row's bf16 CTA puts the new token
-// into its region and moves the tail before it attends: the tail shift only, docs/fp2-kernel.md
-// "Codes at arrival"). Both run it with CTAs of kRowThreads threads.
+// error-feedback chain and the packing of runtime/kv/fp2_cache.py's `write_decode_static`, for
+// fp2_decode_write.cu (whose header comment explains the steps and their hazards), run by CTAs of
+// kRowThreads threads.
 //
 // Shape legend: D head dim (HEAD_DIM), PER = D / 32 channels per lane, BS channels per scale block
 // (K_BLOCK / V_BLOCK), NB = D / BS, C = NUM_CAND candidate scales.
@@ -40,7 +38,7 @@
 namespace fp2w {
 constexpr int D = HEAD_DIM;
 constexpr int PER = D / 32;
-constexpr int kRowThreads = 128;  // the CTA of every caller (static_assert there)
+constexpr int kRowThreads = 128;  // the write kernel's CTA
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int PREFETCH = 8;
 constexpr unsigned kFull = 0xffffffffu;
@@ -82,31 +80,6 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
     for (int k = 0; k < WORDS; ++k) {
       const int i = base + k * kRowThreads + threadIdx.x;
       if (i < n) dst[i] = r[k];
-    }
-  }
-}
-
-// shift_tail of two regions at once (the fused decode's keys and values): one round trip for
-// windows of up to 48 rows at D = 128.
-__device__ void shift_tails(__nv_bfloat16* row_a, __nv_bfloat16* row_b, int window) {
-  constexpr int WORDS = 48 * 128 / 8 / kRowThreads;
-  const int n = window * D / 8;
-  uint4* dst_a = reinterpret_cast<uint4*>(row_a);
-  uint4* dst_b = reinterpret_cast<uint4*>(row_b);
-  const uint4* src_a = reinterpret_cast<const uint4*>(row_a + D);
-  const uint4* src_b = reinterpret_cast<const uint4*>(row_b + D);
-  for (int base = 0; base < n; base += kRowThreads * WORDS) {
-    uint4 ra[WORDS], rb[WORDS];
-#pragma unroll
-    for (int k = 0; k < WORDS; ++k) {
-      const int i = base + k * kRowThreads + threadIdx.x;
-      if (i < n) ra[k] = src_a[i], rb[k] = src_b[i];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < WORDS; ++k) {
-      const int i = base + k * kRowThreads + threadIdx.x;
-      if (i < n) dst_a[i] = ra[k], dst_b[i] = rb[k];
     }
   }
 }

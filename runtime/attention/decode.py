@@ -9,7 +9,6 @@ size, HP bf16 tokens per sequence, S split slots.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +21,7 @@ from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.pack import CodeLayout
 
 if TYPE_CHECKING:
-    from zerodram.kernels.kv_write import FusedAppend
+    from zerodram.kernels.kv_write import PendingAppend
 
 
 class Fp2DecodeAttention:
@@ -44,9 +43,6 @@ class Fp2DecodeAttention:
             `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
-        fused_append: also load the kernel build whose bf16 CTAs run the bf16 half of the engine's
-            decode write first (`__call__`'s `append`; docs/fp2-kernel.md, "Codes at arrival");
-            calls without an append run the plain build. GPU only.
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -73,7 +69,6 @@ class Fp2DecodeAttention:
         v_layout: CodeLayout = "token",
         timeline: bool = False,
         value_product: str = "exact",
-        fused_append: bool = False,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -100,11 +95,6 @@ class Fp2DecodeAttention:
         if value_product != "exact" and canonical_device(device).type == "cuda":
             raise ConfigError(f"value_product {value_product!r} is a CPU emulation: no kernel computes it yet")
         self.value_product = value_product
-        if fused_append and canonical_device(device).type != "cuda":
-            raise ConfigError("fused_append is a kernel build: on CPU the write and the reference run apart")
-        if fused_append and num_warps != 4:
-            raise ConfigError(f"fused_append runs the decode write's 128-thread tail shift, not {num_warps} warps")
-        self.fused_append = fused_append
         if key_s8 is None:  # int8 keys wherever the format allows them: ~11% faster on the H200
             key_s8 = k_block >= 64
         if key_s8 and k_block < 64:
@@ -132,11 +122,6 @@ class Fp2DecodeAttention:
             )  # fmt: skip
             self.kernels = Fp2Kernels(cfg)
             self.kernels.load()
-            # The fused build beside the plain one: calls without an append keep the plain build's
-            # main loop (the fused build's differs by a few instructions: docs/fp2-kernel.md).
-            self.fused_kernels = Fp2Kernels(replace(cfg, fused_write=True)) if fused_append else None
-            if self.fused_kernels is not None:
-                self.fused_kernels.load()
             props = torch.cuda.get_device_properties(self.device)
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
             self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
@@ -272,7 +257,7 @@ class Fp2DecodeAttention:
         batch: DecodeBatch,
         max_len: int | None = None,
         num_splits: int | None = None,
-        append: FusedAppend | None = None,
+        pending: PendingAppend | None = None,
     ) -> torch.Tensor:
         """Attention of q [B, Hq, D] (stored key space) -> [B, Hq, D] fp32 (stored value space).
 
@@ -283,22 +268,22 @@ class Fp2DecodeAttention:
         `benchmarks/attention.py --splits`); at most the workspace's max_splits. The reference
         (CPU) does not split. On GPU the result is a view of a preallocated buffer, overwritten by
         the next call.
-        append: with `fused_append`, the bf16 half of the step's decode write of every row (the
-        cache's `fused_append`: the new token to its bf16 row, the tail moved up where the row
-        flushes), run by the rows' bf16 CTAs before they attend; batch.fp2_len and hp_len are the
-        lengths after the write (the codes of the FP2 range's rows were written when they arrived,
-        W >= 1 steps earlier), and the output is that of the write followed by this call on the
-        written cache.
+        pending: the step's decode write of every row, not yet made (the cache's `pending_append`;
+        the caller makes it after this call, `PendingAppend.write_after`): the rows' bf16 CTAs read
+        the new tokens from it and their tails as the last step left them, less the oldest row where
+        the write will flush it; batch.fp2_len and hp_len are the lengths after the write (the
+        flushed row's codes were written when it arrived, W >= 1 steps earlier). The output is
+        that of the write followed by this call. GPU only.
         """
         self.check(q, layer, batch)
-        if append is not None:
-            if not self.fused_append:
-                raise KVInputError("a fused append needs the module built with fused_append=True")
-            if append.rows != q.shape[0]:
-                raise KVInputError(f"a fused append of {append.rows} rows to a decode of {q.shape[0]} rows")
-            other = append.other_targets(batch.hp_k, batch.hp_v)
+        if pending is not None:
+            if not self.on_gpu:
+                raise KVInputError("a pending append is read by the decode kernel: on CPU the write comes first")
+            if pending.rows != q.shape[0]:
+                raise KVInputError(f"a pending append of {pending.rows} rows to a decode of {q.shape[0]} rows")
+            other = pending.other_regions(batch.hp_k, batch.hp_v)
             if other:
-                raise KVInputError(f"the fused append writes other tensors than the decode reads: {', '.join(other)}")
+                raise KVInputError(f"the pending append writes other regions than the decode reads: {', '.join(other)}")
         if num_splits is not None and num_splits < 1:
             raise KVInputError(f"num_splits must be at least 1, got {num_splits}")
         if not self.on_gpu:
@@ -311,10 +296,9 @@ class Fp2DecodeAttention:
                 f"{self.max_fp2_tokens}, max_batch {self.max_batch})"
             )
         o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
-        kernels = self.kernels if append is None else self.fused_kernels
-        kernels.decode(
+        self.kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
             layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
-            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline, append,
+            batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline, pending,
         )  # fmt: skip
         return out

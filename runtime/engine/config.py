@@ -24,12 +24,12 @@ class EngineConfig:
     kv_calibration_save: write the constants there (runtime/engine/calibration.py).
     decode_value_product: how the fused FP2 decode's weights meet the values: "exact", or "e4m3",
     a CPU emulation of an FP8 value product for kernel design (benchmarks/engine_kv_ppl.py).
-    fused_append: whether a GPU whole-step graph splits each layer's KV write, the bf16 half (new
-    row, tail shift) inside its decode kernel and the codes half (written at arrival, read a
-    window later) on a low-priority stream beside the step (docs/fp2-kernel.md, "Codes at
-    arrival"): True (or ConfigError where the kernels or the format cannot: no window, say), False
-    (the write as a launch of its own before the decode), or "auto" (split wherever possible), the
-    default. Ignored on CPU and without CUDA graphs."""
+    defer_write: whether a GPU whole-step graph makes each layer's KV write after its decode, on a
+    low-priority stream beside the rest of the step, the decode attending the new tokens from the
+    step's tensors and the tails as they were (docs/fp2-kernel.md, "Codes at arrival"; a token's
+    codes are read a window after it arrives): True (or ConfigError where the kernels or the
+    format cannot: no window, say), False (the write as a launch of its own before the decode), or
+    "auto" (deferred wherever possible), the default. Ignored on CPU and without CUDA graphs."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -42,7 +42,7 @@ class EngineConfig:
     kv_calibration_tokens: int = CALIB_TOKENS
     kv_calibration_save: str | None = None
     decode_value_product: str = "exact"
-    fused_append: bool | str = "auto"
+    defer_write: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_kv_pages < 1 or self.page_size < 1:
@@ -54,8 +54,8 @@ class EngineConfig:
                 f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
                 f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
             )
-        if self.fused_append not in (True, False, "auto"):
-            raise ConfigError(f"fused_append must be True, False or 'auto', got {self.fused_append!r}")
+        if self.defer_write not in (True, False, "auto"):
+            raise ConfigError(f"defer_write must be True, False or 'auto', got {self.defer_write!r}")
         if self.decode_value_product not in VALUE_PRODUCTS:
             raise ConfigError(
                 f"decode_value_product must be one of {VALUE_PRODUCTS}, got {self.decode_value_product!r}"

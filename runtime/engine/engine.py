@@ -93,7 +93,7 @@ class Engine:
                 scale=scale,
                 max_batch=self.config.scheduler.max_num_seqs,
                 value_product=self.config.decode_value_product,
-                fused_append=self.config.fused_append,
+                defer_write=self.config.defer_write,
             )
         self.attn = PagedAttention(self.kv, scale, decode)
         self.scheduler = Scheduler(self.kv, self.config.scheduler, self.device)

@@ -92,11 +92,11 @@ class Fp2FusedDecode:
         scale: softmax scale (the one PagedAttention's SDPA uses).
         max_batch: most decode sequences in one step (the scheduler's max_num_seqs).
         value_product: `Fp2DecodeAttention`'s ("exact"; "e4m3" is a CPU emulation for kernel design).
-        fused_append: on a GPU, whether the whole-step graph splits each layer's KV write, its
-            bf16 half inside the decode kernel (`static_call`'s append) and its codes half beside
-            it (docs/fp2-kernel.md, "Codes at arrival"): True (or ConfigError where the kernels
-            or the format cannot), False, or "auto" (wherever they can). Ignored on CPU, where the
-            write and the reference decode run apart as always.
+        defer_write: on a GPU, whether the whole-step graph makes each layer's KV write after the
+            decode that attends its tokens (`static_call`'s pending; docs/fp2-kernel.md, "Codes at
+            arrival"): True (or ConfigError where the kernels or the format cannot), False, or
+            "auto" (wherever they can). Ignored on CPU, where the write and the reference decode
+            run apart as always.
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
@@ -110,10 +110,10 @@ class Fp2FusedDecode:
         scale: float,
         max_batch: int,
         value_product: str = "exact",
-        fused_append: bool | str = False,
+        defer_write: bool | str = False,
     ) -> None:
-        if fused_append not in (True, False, "auto"):
-            raise ConfigError(f"fused_append must be True, False or 'auto', got {fused_append!r}")
+        if defer_write not in (True, False, "auto"):
+            raise ConfigError(f"defer_write must be True, False or 'auto', got {defer_write!r}")
         c0 = kv.caches[0]
         if getattr(c0, "format", None) != "fp2":
             raise ConfigError(f"the fused decode path reads FP2 pages, the partition is {kv.kv_format!r}")
@@ -127,16 +127,16 @@ class Fp2FusedDecode:
             )
         self.kv, self.scale = kv, scale
         self.num_kv_heads = c0.num_kv_heads
-        # Whether the static steps split the KV write (`fuses_append`): False where the kernels
+        # Whether the static steps defer the KV write (`defers_write`): False where the kernels
         # cannot, on CPU above all.
         # A window is needed too: the decode reads none of a step's new codes only where W >= 1.
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
-        if fused_append is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
+        if defer_write is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
             raise ConfigError(
-                f"fused_append: the caches' format {kv.kv_format!r} has no decode-write kernel to split "
+                f"defer_write: the caches' format {kv.kv_format!r} has no decode-write kernel to defer "
                 "(kernels/kv_write.py `unsupported`) or no window"
             )
-        self.fused_append = fused_append if c0.device.type == "cuda" and writers and c0.rule.window else False
+        self.defer_write = defer_write if c0.device.type == "cuda" and writers and c0.rule.window else False
         self.group = num_q_heads // c0.num_kv_heads
         self.rule, self.page_size = c0.rule, c0.page_size
         self.device = c0.device
@@ -164,7 +164,6 @@ class Fp2FusedDecode:
             key_s8=False if inexact else None,
             v_layout=c0.v.layout,
             value_product=value_product,
-            fused_append=self.fuses_append,
         )
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,
@@ -261,10 +260,10 @@ class Fp2FusedDecode:
         return min(length_bucket(max_fp2), self.attn.max_fp2_tokens)
 
     @property
-    def fuses_append(self) -> bool:
-        """Whether the static steps split the KV write, its bf16 half inside the decode kernel (the
-        fused build is loaded) and its codes half beside it (`fused_append`, where possible)."""
-        return self.fused_append is not False
+    def defers_write(self) -> bool:
+        """Whether the static steps make the KV write after the decode that attends its tokens
+        (`defer_write`, where possible)."""
+        return self.defer_write is not False
 
     # --- the static path (the whole decode step in one CUDA graph) ------------------------------
 
@@ -285,8 +284,8 @@ class Fp2FusedDecode:
         """The step's metadata into `meta` (host bookkeeping, a few small copies, one gather of the
         block-table rows on the device); rows past B attend to one scratch-slot token of fp2_len 0.
         Returns the FP2 length the step's grid is sized for (`grid_len` of its longest range after
-        the write), whether the step runs the write's bf16 half inside the decode or not (the codes
-        of the range's rows were written when they arrived). Empty `seq_ids`: all scratch."""
+        the write), whether the step makes the write before the decode or after it (the codes of
+        the range's rows were written when they arrived). Empty `seq_ids`: all scratch."""
         scratch = self.kv.caches[0].scratch_slot
         fp2 = [self.rule.num_quantized(n) for n in lengths]
         slots = self._mirror(seq_ids, fp2)
@@ -302,17 +301,17 @@ class Fp2FusedDecode:
         return grid
 
     def static_call(
-        self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int, append=None
+        self, layer_idx: int, q: torch.Tensor, meta: StaticDecodeMeta, max_len: int, pending=None
     ) -> torch.Tensor:
         """`__call__` for a padded batch q [Bp, Hq, Dh] from `meta`, the grid sized for `max_len`
-        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). append: where
-        `fuses_append`, the step's KV write of this layer (the partition's `fused_append`), whose
-        bf16 half the kernel runs first (the caller launches the codes half)."""
+        FP2 tokens: fixed shapes, no host sync (what a CUDA graph captures). pending: where
+        `defers_write`, the step's KV write of this layer, not yet made (the partition's
+        `pending_append`), whose tokens the kernel attends; the caller makes the write after."""
         c, cache = self._layer(layer_idx), self.kv.caches[layer_idx]
         batch = DecodeBatch(meta.block_table, meta.fp2_len, cache.hp_k, cache.hp_v, meta.hp_len, meta.hp_slot)
         kp, vp = c.params
         x = prepare_query(q, kp.rotation, c.q_anchor, 1)  # [Bp, Hq, Dh] stored key space, fp32
-        o = self.attn(x, c.layer, batch, max_len=max_len, append=append)
+        o = self.attn(x, c.layer, batch, max_len=max_len, pending=pending)
         return finish_output(o, vp.rotation, c.v_anchor, 1).to(q.dtype)
 
     def __call__(
@@ -342,13 +341,13 @@ def make_decode_attention(
     scale: float,
     max_batch: int,
     value_product: str = "exact",
-    fused_append: bool | str = False,
+    defer_write: bool | str = False,
 ) -> Fp2FusedDecode | None:
     """The partition's fused decode path, or None for PagedAttention's gather + SDPA (logged once
     when the partition is FP2 but its format is one the kernels cannot read).
 
     Raises:
-        ConfigError: a value_product other than "exact", or fused_append=True, where no fused path
+        ConfigError: a value_product other than "exact", or defer_write=True, where no fused path
             can serve it.
     """
     caches = getattr(kv, "caches", None)
@@ -362,13 +361,13 @@ def make_decode_attention(
     try:
         return Fp2FusedDecode(
             kv, num_q_heads=num_q_heads, scale=scale, max_batch=max_batch, value_product=value_product,
-            fused_append=fused_append,
+            defer_write=defer_write,
         )  # fmt: skip
     except ConfigError as err:
         if value_product != "exact":
             raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err
-        if fused_append is True and caches[0].device.type == "cuda":  # asked for by name: not a quiet
+        if defer_write is True and caches[0].device.type == "cuda":  # asked for by name: not a quiet
             # fall back to the slower gather path (on CPU the option means nothing)
-            raise ConfigError(f"fused_append=True needs the fused FP2 decode path: {err}") from err
+            raise ConfigError(f"defer_write=True needs the fused FP2 decode path: {err}") from err
         log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
         return None

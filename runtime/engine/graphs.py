@@ -136,18 +136,18 @@ class StaticAttention:
         self.ix = StaticDecodeIndex.allocate(bucket, dev)
         self.meta = fused.static_meta(bucket)
         self.bad = torch.zeros(num_layers, bucket, dtype=torch.bool, device=dev)  # [Ly, Bp]
-        # Where a step runs the KV write's bf16 half inside the decode, its codes half (the new
-        # tokens' codes, which nothing reads for W steps) runs on `codes_stream`, beside the rest of
-        # the step; `join` brings it back before the step ends. The step is captured on
-        # `capture_stream`, of the highest priority, and the codes stream has the lowest: a graph's
-        # nodes keep their capture stream's priority, so the block scheduler hands SMs to the
-        # step's own kernels first and the codes' CTAs take what they leave. Without that (equal
-        # priorities) the codes' CTAs, launched first, took SMs ahead of the decode's: +10-21 us a
-        # layer against +1.6-11 (H100, docs/benchmarks.md "Codes at arrival").
-        self.codes_stream = self.capture_stream = None
-        if fused.fuses_append:
+        # Where the decode attends a layer's new tokens before they are written (`defers_write`),
+        # the write (the tail, the new tokens' codes, which nothing reads for W steps) runs after
+        # it on `write_stream`, beside the rest of the step; `join` brings it back before the step
+        # ends. The step is captured on `capture_stream`, of the highest priority, and the write
+        # stream has the lowest: a graph's nodes keep their capture stream's priority, so the block
+        # scheduler hands SMs to the step's own kernels first and the write's CTAs take what they
+        # leave (with equal priorities they took SMs ahead of the next kernels': docs/benchmarks.md
+        # "Codes at arrival").
+        self.write_stream = self.capture_stream = None
+        if fused.defers_write:
             least, greatest = torch.cuda.Stream.priority_range()
-            self.codes_stream = torch.cuda.Stream(dev, priority=least)
+            self.write_stream = torch.cuda.Stream(dev, priority=least)
             self.capture_stream = torch.cuda.Stream(dev, priority=greatest)
         self._forked = False
         self._rows: tuple[list[int], ...] | None = None
@@ -174,23 +174,24 @@ class StaticAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int
     ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
-        the write then the decode, or, where the decode path runs the write's bf16 half inside
-        (`fuses_append`), the decode with the codes half beside it on `codes_stream` (joined by
-        `join`)."""
-        if self.fused.fuses_append:
-            append = self.kv.fused_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
-            append.write_codes(self.codes_stream)
+        the write then the decode, or, where the decode path defers it (`defers_write`), the decode
+        attending the pending write's tokens, then the write on `write_stream` (joined by `join`)."""
+        if self.fused.defers_write:
+            pending = self.kv.pending_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
+            o = self.fused.static_call(layer_idx, q, self.meta, max_len, pending)
+            pending.write_after(self.write_stream)
             self._forked = True
-            return self.fused.static_call(layer_idx, q, self.meta, max_len, append)
+            return o
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
         return self.fused.static_call(layer_idx, q, self.meta, max_len)
 
     def join(self) -> None:
-        """The current stream waits for the codes halves launched since the last join, before the
-        step ends: whatever comes after it (a decode reading those rows W steps on, a freed page's
-        next owner writing it, the end of a graph capture) finds the codes in place."""
+        """The current stream waits for the writes launched since the last join, before the
+        step ends: whatever comes after it (the next step's decode reading the tails, and W steps
+        on the codes; a freed page's next owner writing it; the end of a graph capture) finds the
+        writes made."""
         if self._forked:
-            torch.cuda.current_stream().wait_stream(self.codes_stream)
+            torch.cuda.current_stream().wait_stream(self.write_stream)
             self._forked = False
 
     def record_nonfinite(self, batch: ForwardBatch) -> None:

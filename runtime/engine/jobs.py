@@ -85,19 +85,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
         "run dense), eager otherwise or if the capture fails; on = capture or fail; off = eager",
     )
     p.add_argument(
-        "--fused-append",
+        "--defer-write",
         choices=("auto", "on", "off"),
         default="auto",
-        help="run each layer's FP2 KV write inside its decode kernel in the captured steps (GPU): "
-        "auto = where a measured rule says it is faster (long contexts at B >= 8); on = every "
-        "captured step, or fail where it cannot be built; off = a launch of its own before the decode",
+        help="make each layer's FP2 KV write after its decode in the captured steps, beside the rest of "
+        "the step (GPU): auto = wherever the kernels and the format allow (a window); on = every "
+        "captured step, or fail; off = a launch of its own before the decode",
     )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the shared options (the engine refuses graphs it cannot capture)."""
     graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
-    fused_append = {"on": True, "off": False}.get(args.fused_append, "auto")
+    defer_write = {"on": True, "off": False}.get(args.defer_write, "auto")
     return EngineConfig(
         kv_format=args.kv,
         kv_calibration=args.kv_calibration,
@@ -106,7 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
         cuda_graphs=graphs,
-        fused_append=fused_append,
+        defer_write=defer_write,
     )
 
 

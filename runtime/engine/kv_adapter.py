@@ -189,12 +189,12 @@ class RuntimeKVPartition:
         bad.copy_(flags)
         self.caches[layer_idx].write_decode_static(k, v, ix)
 
-    def fused_append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ix: object, bad: torch.Tensor):
-        """`write_decode_static`'s write handed to the fused decode kernel instead of launched (the
-        cache's `fused_append`); the NaN/Inf handling is the same."""
+    def pending_append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ix: object, bad: torch.Tensor):
+        """`write_decode_static`'s write not launched, for the decode to attend first (the cache's
+        `pending_append`); the NaN/Inf handling is the same."""
         k, v, flags = zero_nonfinite_rows(k, v)
         bad.copy_(flags)
-        return self.caches[layer_idx].fused_append(k, v, ix)
+        return self.caches[layer_idx].pending_append(k, v, ix)
 
     @property
     def scratch(self) -> tuple[int, int]:

@@ -164,22 +164,22 @@ class Fp2DecodeWrites:
                 tail = hp[ix.slot, :, S : S + W]  # [Bp, H, W, D] (a copy)
                 hp[ix.slot, :, S : S + W] = torch.where(keep, tail, hp[ix.slot, :, S + 1 : S + 1 + W])
 
-    def fused_append(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex):
-        """`write_decode_static` in its two halves (a `FusedAppend`), neither launched: the bf16
-        half for the decode-attention kernel's fused build to run in its bf16 CTAs
-        (runtime/attention/decode.py), the codes half for the caller to launch beside the decode
-        (`FusedAppend.write_codes`: nothing reads a new token's codes for W steps). The
-        stored-space move happens now, on the stream, as for the write.
+    def pending_append(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex):
+        """`write_decode_static` not launched (a `PendingAppend`): for the decode-attention kernel to
+        attend its tokens first, reading the tails as they are (runtime/attention/decode.py), and
+        for the caller to launch the write after it (`PendingAppend.write_after`, on a stream of its
+        own: nothing reads the new tokens' codes for W steps, nor the moved tails before the next
+        step). The stored-space move happens now, on the stream, as for the write.
 
         Raises:
-            ConfigError: this cache writes through its torch body (no kernel to split), or a
-                window of 0 (a token is attended as FP2 in the step it arrives).
+            ConfigError: this cache writes through its torch body (no kernel to defer), or a window
+                of 0 (a token is attended as FP2 in the step it arrives: its codes come first).
         """
         if self._static_write is None:
-            raise ConfigError("a fused decode append needs the decode-write kernel (a CUDA cache in a format it takes)")
+            raise ConfigError("a pending decode append needs the decode-write kernel (a CUDA cache in a format it takes)")
         if self.rule.window == 0:
-            raise ConfigError("a fused decode append needs a window: with none, the decode reads the new token's codes")
-        return self._static_write.fused(*self._kernel_args(k, v, ix.packed))
+            raise ConfigError("a pending decode append needs a window: with none, the decode reads the new token's codes")
+        return self._static_write.pending(*self._kernel_args(k, v, ix.packed))
 
     def _kernel_write(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> None:
         """k, v [B, H, D] through the decode-write kernel, where `packed` [5, B] int64 says."""
