@@ -174,8 +174,8 @@ def _case(
                 flush,
             )
             row["write1_added_ms"] = max(0.0, both - row["fp2_ms"])
-            # The engine's own append (DEFAULT_FP2: a bf16 window, the leaving row rounded with
-            # error feedback): kernels/kv_write.py's kernel on the same pools, every row flushing
+            # The engine's own append (DEFAULT_FP2: a bf16 window, the new token rounded with error
+            # feedback at arrival): kernels/kv_write.py's kernel on the same pools, every row flushing
             write, wargs = _engine_write(B, best_layer, batch, gen)
             row["ewrite1_ms"] = median_ms(lambda write=write, wargs=wargs: write(*wargs), 10, flush)
             both = median_ms(
@@ -244,29 +244,34 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
     so the timed sequence is four such layers with one join at the end, against four plain decodes
     (`defer1_added_ms`, per layer; the feed-forward work between layers, which the writes may also
     overlap, is left out), and one layer joined right after its decode (`defer1_alone_added_ms`:
-    nothing after it to overlap). Its bf16 region is the write's (sinks + window rows) instead of
-    the decode's 36 tokens. Checked like the other variants: one more call, then the reference
-    over the written cache."""
+    nothing after it to overlap). Each of the four layers has its own bf16 regions (copies of the
+    write's: sinks + window rows, instead of the decode's 36 tokens), as the engine's layers do, so
+    no decode reads a tail that another layer's write moves; they share the pools (the writes'
+    codes go past every decode's range). Checked like the other variants: one more call, then the
+    reference over the written cache."""
     import torch
 
     from zerodram.runtime.attention import DecodeBatch
     from zerodram.runtime.metrics.devtime import median_ms
 
-    hp_k, hp_v, sinks, window = wargs[3], wargs[4], wargs[-2], wargs[-1]
+    sinks, window = wargs[-2], wargs[-1]
     dev = q.device
     slots = torch.arange(B, dtype=torch.int32, device=dev)
     hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
-    short = DecodeBatch(batch.block_table, (batch.fp2_len - 1).clamp_min(0), hp_k, hp_v, hp_len, slots)
-    pending = write.pending(*wargs)
+    fp2_len = (batch.fp2_len - 1).clamp_min(0)
+    per_layer = [wargs] + [(*wargs[:3], wargs[3].clone(), wargs[4].clone(), *wargs[5:]) for _ in range(3)]
+    shorts = [DecodeBatch(batch.block_table, fp2_len, w[3], w[4], hp_len, slots) for w in per_layer]
+    pendings = [write.pending(*w) for w in per_layer]
+    short, pending = shorts[0], pendings[0]
     least, greatest = torch.cuda.Stream.priority_range()
     side, capture = torch.cuda.Stream(priority=least), torch.cuda.Stream(priority=greatest)
 
     def layers(n: int, defer: bool):
         def run():
-            for _ in range(n):
+            for i in range(n):
                 if defer:
-                    best(q, layer, short, max_len=L, num_splits=forced, pending=pending)
-                    pending.write_after(side)
+                    best(q, layer, shorts[i], max_len=L, num_splits=forced, pending=pendings[i])
+                    pendings[i].write_after(side)
                 else:
                     best(q, layer, batch, max_len=L, num_splits=forced)
             if defer:

@@ -225,7 +225,7 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
 
 def test_defer_write_config() -> None:
     """EngineConfig.defer_write: True, False or "auto" (the default); on CPU the fused path never
-    splits the write (the write and the reference run apart), whatever was asked."""
+    defers the write (the write and the reference decode run apart), whatever was asked."""
     from zerodram.runtime.errors import ConfigError
 
     assert EngineConfig().defer_write == "auto" and EngineConfig(defer_write=False).defer_write is False
@@ -240,11 +240,11 @@ def test_defer_write_config() -> None:
     assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, defer_write=True) is None
 
 
-def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
+def test_static_metadata_holds_the_lengths_after_the_write() -> None:
     """`fill_static` uploads each row's FP2 range and bf16 count after the step's write, whether the
-    step runs the write's bf16 half inside the decode (`defers_write`) or not: the codes of the
-    range's rows were written when they arrived, a window earlier. It returns the grid length (CPU:
-    the host half alone; the kernels never fuse here, so the decision is forced)."""
+    step makes the write before the decode or after it (`defers_write`: the codes of the range's
+    rows were written when they arrived, a window earlier), padding rows with one scratch-slot
+    token, and returns the grid length (CPU: the host half alone)."""
     g = torch.Generator().manual_seed(3)
     kv = RuntimeKVPartition("fp2:sinks=4,tail=1,window=5", 2, 2, 64, 40, 32, torch.float32, torch.device("cpu"))
     lengths = (2, 9, 10, 40, 97)  # a sink row, the window full, flushing rows, a page boundary
@@ -253,13 +253,9 @@ def test_static_metadata_is_the_same_whether_the_append_runs_inside() -> None:
         for layer in range(2):
             kv.write(layer, sid, 0, torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g))
     fused = make_decode_attention(kv, num_q_heads=6, scale=0.125, max_batch=8, defer_write="auto")
-    assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write  # CPU: never inside
+    assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write  # CPU: the write comes first
     rule, meta = fused.rule, fused.static_meta(8)
-    seq_ids = tuple(range(len(lengths)))
     after = [rule.num_quantized(n) for n in lengths]
-    for inside in (False, True):
-        fused.defer_write = inside  # what a GPU build's decision would be
-        grid = fused.fill_static(meta, seq_ids, lengths)
-        assert grid == fused.grid_len(max(after))
-        assert meta.fp2_len.tolist() == [*after, 0, 0, 0]
-        assert meta.hp_len.tolist() == [*(n - f for n, f in zip(lengths, after, strict=True)), 1, 1, 1]
+    assert fused.fill_static(meta, tuple(range(len(lengths))), lengths) == fused.grid_len(max(after))
+    assert meta.fp2_len.tolist() == [*after, 0, 0, 0]
+    assert meta.hp_len.tolist() == [*(n - f for n, f in zip(lengths, after, strict=True)), 1, 1, 1]

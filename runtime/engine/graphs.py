@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.model.attention import PagedAttention
 from zerodram.runtime.model.batch import ForwardBatch
 from zerodram.runtime.model.ep import ExpertParallel, capturable_ep
@@ -126,9 +126,12 @@ class StaticAttention:
         fused: its `Fp2FusedDecode`.
         bucket: Bp.
         num_layers: Ly.
+        streams: (capture, write) streams where `fused.defers_write` (`priority_streams`; one pair
+            for every bucket: the buckets' graphs share a memory pool, whose blocks are reused
+            only by allocations on the stream that freed them).
     """
 
-    def __init__(self, kv, fused, bucket: int, num_layers: int) -> None:
+    def __init__(self, kv, fused, bucket: int, num_layers: int, streams: tuple | None = None) -> None:
         from zerodram.runtime.kv.decode_index import StaticDecodeIndex
 
         self.kv, self.fused, self.bucket = kv, fused, bucket
@@ -139,16 +142,10 @@ class StaticAttention:
         # Where the decode attends a layer's new tokens before they are written (`defers_write`),
         # the write (the tail, the new tokens' codes, which nothing reads for W steps) runs after
         # it on `write_stream`, beside the rest of the step; `join` brings it back before the step
-        # ends. The step is captured on `capture_stream`, of the highest priority, and the write
-        # stream has the lowest: a graph's nodes keep their capture stream's priority, so the block
-        # scheduler hands SMs to the step's own kernels first and the write's CTAs take what they
-        # leave (with equal priorities they took SMs ahead of the next kernels': docs/benchmarks.md
-        # "Codes at arrival").
-        self.write_stream = self.capture_stream = None
-        if fused.defers_write:
-            least, greatest = torch.cuda.Stream.priority_range()
-            self.write_stream = torch.cuda.Stream(dev, priority=least)
-            self.capture_stream = torch.cuda.Stream(dev, priority=greatest)
+        # ends. The step is captured on `capture_stream` (`priority_streams`).
+        self.capture_stream, self.write_stream = streams if fused.defers_write else (None, None)
+        if fused.defers_write and streams is None:
+            raise ZerodramError("a deferred KV write needs the (capture, write) streams")
         self._forked = False
         self._rows: tuple[list[int], ...] | None = None
         self._lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
@@ -281,12 +278,14 @@ class StaticDecodeStep:
         m, b = self.model, self.bufs
         x = F.embedding(b.token_ids, m.embed)  # [Bp, D]
         cos_sin = m.rope.cos_sin(b.positions, x.dtype)  # once for every layer
-        for i, layer in enumerate(m.layers):
-            q, k, v = layer.pre_attention(x, cos_sin)
-            o = self.static_attn(i, q, k, v, max_len)  # [Bp, Hq, Dh]
-            x = layer.feed_forward(x + layer.attn_output(o), self._timer, self.eps[i])
-        b.logits.copy_(m.head(x))
-        self.static_attn.join()
+        try:
+            for i, layer in enumerate(m.layers):
+                q, k, v = layer.pre_attention(x, cos_sin)
+                o = self.static_attn(i, q, k, v, max_len)  # [Bp, Hq, Dh]
+                x = layer.feed_forward(x + layer.attn_output(o), self._timer, self.eps[i])
+            b.logits.copy_(m.head(x))
+        finally:  # also on an error: a capture must close joined (or it reports that, not the cause)
+            self.static_attn.join()
 
     def _capture_whole(self, max_len: int) -> None:
         """Warm up and capture the whole step for `max_len`, the static buffers pointing at
@@ -349,6 +348,16 @@ def bucket_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple([*sizes, max_batch] if max_batch > 1 else sizes)
 
 
+def priority_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(capture, write) streams of a deferred KV write: the step is captured on a stream of the
+    highest priority and the writes launched on one of the lowest. A graph's kernel nodes keep
+    their capture stream's priority, so the block scheduler hands SMs to the step's own kernels
+    first and the writes' CTAs take what they leave; with equal priorities the writes, launched
+    earlier, took SMs ahead of the next kernels (docs/benchmarks.md, "The write after the decode")."""
+    least, greatest = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device, priority=greatest), torch.cuda.Stream(device, priority=least)
+
+
 class DecodeGraphs:
     """The decode step from static buffers, one `StaticDecodeStep` per bucket.
 
@@ -378,9 +387,10 @@ class DecodeGraphs:
             )
         self.buckets = bucket_sizes(max_batch)
         Ly = len(model.layers)
+        streams = priority_streams(static[1].device) if static is not None and static[1].defers_write else None
         self.steps = {
             bucket: StaticDecodeStep(
-                model, eps, bucket, None if static is None else StaticAttention(*static, bucket, Ly)
+                model, eps, bucket, None if static is None else StaticAttention(*static, bucket, Ly, streams)
             )
             for bucket in self.buckets
         }

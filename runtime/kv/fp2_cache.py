@@ -78,7 +78,7 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
         if params is None:
             params = layer_params(spec, self.layer_idx, H, D)
         # One page and one slot past the pool's are never handed out: a fixed-shape decode write
-        # (`write_decode_static`) sends its padding rows and its non-flushing rows there.
+        # (`write_decode_static`) sends its padding rows there, and a sink's codes to the page.
         self.scratch_page, self.scratch_slot = self.num_pages, self.tables.max_seqs
         self.k = SidePages(spec.k, self.num_pages + 1, H, P, D, dev, "token")
         self.v = SidePages(spec.v, self.num_pages + 1, H, P, D, dev, value_layout(spec.v, D, P))

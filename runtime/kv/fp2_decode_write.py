@@ -76,7 +76,7 @@ class Fp2DecodeWrites:
     def plan_decode_static(self, seq_ids: Sequence[int]) -> tuple[list[int], ...]:
         """Host half of a decode append: check, give pages, advance lengths (as `append_decode`,
         before the write itself) and return per row (slot, row, flushes, page, page row) lists for
-        `write_decode_static`; a row that does not flush names the scratch page.
+        `write_decode_static`; a row whose new token is a sink names the scratch page.
 
         Raises:
             KVInputError, KVCapacityError: as `append_decode` (nothing changes).
