@@ -10,7 +10,9 @@ tokens; once every request decodes, `Engine.step()` is timed `--steps` times aft
 untimed steps: scheduling, the forward pass (KV writes, attention, experts), sampling and the
 host bookkeeping, i.e. what serving pays per token. No L2 flush: a serving step follows another.
 Timing: CUDA events around each step on a GPU (the step's own sampling syncs it), perf_counter on
-CPU; median and p90 per case. A table, then one JSON line per case (`--json`).
+CPU; median and p90 per case. A table, then one JSON line per case (`--json`). With graphs on,
+each `--defer-write` mode is a case of its own (the KV write after the decode, beside the step, or
+before it: docs/fp2-kernel.md, "Codes at arrival, and the write after the decode").
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, help="weights: bf16 on GPU, fp32 on CPU by default")
     p.add_argument("--json", action="store_true")
     p.add_argument(
+        "--defer-write", default="auto",
+        help="comma list of auto,on,off: EngineConfig.defer_write of the graph cases, each timed",
+    )  # fmt: skip
+    p.add_argument(
         "--profile", action="store_true",
         help="GPU: after each case's timing, the device activity of 3 steps at the largest batch (torch profiler)",
     )  # fmt: skip
@@ -124,15 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)
     tokens = args.context + _max_tokens(max_b, args.context, args.warmup, args.steps)  # per sequence, at most
+    modes = [{"auto": "auto", "on": True, "off": False}[m] for m in args.defer_write.split(",")]
     rows = []
     for kv in args.kv.split(";"):
-        for graphs in (False, True):
+        for graphs, defer in [(False, modes[0]), *((True, m) for m in modes)]:
             config = EngineConfig(
                 kv_format=kv,
                 num_kv_pages=max_b * math.ceil(tokens / 32) + 8,
                 page_size=32,
                 scheduler=SchedulerConfig(max_b, max(max_b, STEP_TOKENS), STEP_TOKENS),
                 cuda_graphs=graphs,
+                defer_write=defer,
             )
             t0 = time.perf_counter()
             engine = build_engine(args.model, ctx, config, dtype=dtype)
@@ -152,17 +160,18 @@ def main(argv: list[str] | None = None) -> None:
                     "bench": "engine_step", "model": args.model, "device": str(engine.device),
                     "dtype": dtype, "kv": kv, "fused_decode": isinstance(engine.attn.decode, Fp2FusedDecode),
                     "cuda_graphs": engine.graphs is not None, "graph_mode": _graph_mode(engine),
+                    "defer_write": bool(getattr(engine.attn.decode, "defers_write", False)),
                     "batch": b, "context": args.context,
                     "steps": len(ms), "median_ms": round(med, 4),
                     "p90_ms": round(statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else med, 4),
                     "tok_s": round(b / med * 1e3, 1), "build_s": round(build_s, 2),
                 })  # fmt: skip
             del engine
-    print(f"{'kv':>26} {'graphs':>9} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
+    print(f"{'kv':>26} {'graphs':>9} {'deferred':>8} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
     for r in rows:
         print(
-            f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {r['batch']:>4} {r['median_ms']:>10.3f} "
-            f"{r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}"
+            f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {'yes' if r['defer_write'] else 'no':>8} {r['batch']:>4} "
+            f"{r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}"
         )
     if args.json:
         for r in rows:
