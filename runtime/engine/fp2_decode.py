@@ -128,8 +128,7 @@ class Fp2FusedDecode:
         self.kv, self.scale = kv, scale
         self.num_kv_heads = c0.num_kv_heads
         # Whether the static steps defer the KV write (`defers_write`): False where the kernels
-        # cannot, on CPU above all.
-        # A window is needed too: the decode reads none of a step's new codes only where W >= 1.
+        # cannot (on CPU above all) and without a window (W = 0: the decode reads the new codes).
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
         if defer_write is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
             raise ConfigError(

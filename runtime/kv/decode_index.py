@@ -67,9 +67,9 @@ class StaticDecodeIndex:
 @dataclass
 class DecodeIndexMemo:
     """The last decode append's indices (key: layout S, P, F; sequences, rows, completed groups,
-    flushes), or the
-    decode-write kernel's [5, B] index (key: "kernel", ...). A partition gives all of its layers'
-    caches one memo, so a step copies its indices to the device once, not per layer."""
+    flushes), or the decode-write kernel's [5, B] index (key: "kernel", ...). A partition gives all
+    of its layers' caches one memo, so a step copies its indices to the device once, not per
+    layer."""
 
     key: tuple | None = None
     device: torch.device | None = None
