@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zerodram.kernels.jit import BuildOptions
-from zerodram.kernels.kv_write import NUM_CAND, PendingAppend
+from zerodram.kernels.kv_write import PendingAppend
 from zerodram.kernels.module import launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
@@ -74,7 +74,6 @@ class Fp2KernelConfig:
             "V_QUAD": int(self.v_quad),
             "HALF_SOFTMAX": int(self.half_softmax),
             "TIMELINE": int(self.timeline),
-            "NUM_CAND": NUM_CAND,
         }
 
     @property
