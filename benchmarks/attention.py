@@ -26,6 +26,12 @@ plain-torch reference (`reference_decode`, the GPU tests' definition and toleran
 in the JSON as `check_rel_err` (the worst over the variants). A case over the tolerance is printed
 and the script exits 1 after the table: a wrong kernel's time is not a result (and an A/B of source
 variants through benchmarks/ab.sh then checks each variant too).
+
+`--l2-pages N` points every sequence's block table at the first N pages, over and over (N = 256:
+9 MB), and leaves out the L2 flush: the decode then reads its pages from L2, so its time is the
+kernel's own work rather than DRAM's, at any B and L. A diagnostic for A/Bs of the main loop on a GPU
+whose DRAM bounds it (the H100: docs/fp2-kernel.md, "Head per lane"), never a result: no serving
+step finds its KV in L2. The writes and FP16 are not timed then.
 """
 
 from __future__ import annotations
@@ -82,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
     p.add_argument("--no-defer", action="store_true", help="skip the decode with the engine's append deferred after it")
+    p.add_argument(
+        "--l2-pages", type=int, default=0,
+        help="a diagnostic: every block table cycles over the first N pages and L2 is not flushed (0: off)",
+    )  # fmt: skip
 
 
 def _case(
@@ -111,6 +121,8 @@ def _case(
     pages = B * math.ceil(L / P)
     layer = random_fp2_layer(pages, HKV, P, D, device=dev, generator=gen)
     batch = random_decode_batch([L] * B, [HP] * B, pages, HKV, P, D, hp_max=HP, device=dev, generator=gen)
+    if args.l2_pages:  # the pages stay in L2 (the check's reference reads the same table)
+        batch = replace(batch, block_table=batch.block_table % min(args.l2_pages, pages))
     q = torch.randn(B, HQ, D, device=dev, generator=gen)
     fp2_bytes = B * HKV * L * 2 * (D // 4 + D // 64) + B * HKV * HP * D * 2 * 2 + q.numel() * 4
     fp16_bytes = B * HKV * (L + HP) * D * 2 * 2
@@ -149,6 +161,8 @@ def _case(
         raise SystemExit(f"B={B} L={L}: every --splits count exceeds the workspace; nothing was timed")
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
     row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
+    if args.l2_pages:
+        return row
     writer = Fp2Writer(head_dim=D, device=dev, v_layout=best_layer.v_layout)
     for n_tok, tag in ((1, "write1"), (32, "flush32")):
         y = torch.randn(B * n_tok, HKV, 2, D, device=dev, generator=gen)
@@ -305,10 +319,13 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("attention benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, read before each rep
+    # 256 MB, read before each rep (--l2-pages: one float, so L2 keeps the pages)
+    flush = torch.zeros(1 if args.l2_pages else 64 << 20, dtype=torch.float32, device="cuda")
     copy_bw = copy_bandwidth()
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if args.l2_pages:
+        print(f"# --l2-pages {args.l2_pages}: pages read from L2; a diagnostic, not a result", flush=True)
     defaults = (4, 4, 1, None)  # warps, stages, min blocks, key_s8 (None: the runtime's choice)
     configs = []
     for c in args.configs.split(","):
@@ -326,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             if args.json:
                 print(
-                    json.dumps({"bench": "attention", "device": name, "copy_bw": copy_bw, **row}), flush=True
+                    json.dumps({"bench": "attention", "device": name, "copy_bw": copy_bw, "l2_pages": args.l2_pages, **row}),
+                    flush=True,
                 )
     nan = float("nan")
     print(
@@ -339,8 +357,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r['B']:>3} {r['L']:>7} {r['fp2_config']:>7} {r['splits']:>6} {r['fp2_ms']:>8.4f} "
             f"{r['fp2_gbps']:>6.0f} {100 * r['fp2_frac_copy_bw']:>5.1f}% {r.get('fp16_ms', nan):>8.4f} "
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
-            f"{1e3 * r['write1_ms']:>9.1f} {1e3 * r['write1_added_ms']:>10.1f} {1e3 * r['flush32_ms']:>10.1f}"
-            f" {1e3 * r['ewrite1_added_ms']:>11.1f} {1e3 * r.get('defer1_added_ms', nan):>10.1f}"
+            f"{1e3 * r.get('write1_ms', nan):>9.1f} {1e3 * r.get('write1_added_ms', nan):>10.1f} {1e3 * r.get('flush32_ms', nan):>10.1f}"
+            f" {1e3 * r.get('ewrite1_added_ms', nan):>11.1f} {1e3 * r.get('defer1_added_ms', nan):>10.1f}"
             f" {1e3 * r.get('defer1_alone_added_ms', nan):>6.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)

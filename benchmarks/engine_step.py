@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.context + _max_tokens(max_b, args.context, args.warmup, args.steps)  # per sequence, at most
     modes = [{"auto": "auto", "on": True, "off": False}[m] for m in args.defer_write.split(",")]
     rows = []
+    # Each row is printed as it is timed (a run cut short by a time limit keeps what it measured),
+    # then the JSON lines.
+    print(f"{'kv':>26} {'graphs':>9} {'deferred':>8} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}", flush=True)
     for kv in args.kv.split(";"):
         for graphs, defer in [(False, modes[0]), *((True, m) for m in modes)]:
             config = EngineConfig(
@@ -166,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
                     "p90_ms": round(statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else med, 4),
                     "tok_s": round(b / med * 1e3, 1), "build_s": round(build_s, 2),
                 })  # fmt: skip
+                r = rows[-1]
+                print(
+                    f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {'yes' if r['defer_write'] else 'no':>8} "
+                    f"{r['batch']:>4} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}",
+                    flush=True,
+                )
             del engine
-    print(f"{'kv':>26} {'graphs':>9} {'deferred':>8} {'B':>4} {'median ms':>10} {'p90 ms':>8} {'tok/s':>9}")
-    for r in rows:
-        print(
-            f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {'yes' if r['defer_write'] else 'no':>8} {r['batch']:>4} "
-            f"{r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}"
-        )
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -48,10 +48,11 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
      Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True),
      Fp2KernelConfig(64, 8, 32, 16, "e8m0", v_quad=True), Fp2KernelConfig(128, 2, 64, 128, "e4m3", v_quad=True),
      Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True, timeline=True),
-     Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True, half_softmax=True),
-     Fp2KernelConfig(64, 3, 64, 64, "e4m3", key_s8=True, half_softmax=True)],
+     Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True, lane_head=True),
+     Fp2KernelConfig(64, 3, 64, 64, "e4m3", key_s8=True, lane_head=True)],
     ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}v{c.v_block}{c.scale_dtype}m{c.min_blocks}"
-    + ("s8" if c.key_s8 else "") + ("quad" if c.v_quad else "") + ("timeline" if c.timeline else ""),
+    + ("s8" if c.key_s8 else "") + ("quad" if c.v_quad else "") + ("timeline" if c.timeline else "")
+    + ("lanehead" if c.lane_head else ""),
 )  # fmt: skip
 def test_decode_variants_compile_for_sm90(cfg: Fp2KernelConfig) -> None:
     assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"

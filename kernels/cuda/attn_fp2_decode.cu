@@ -59,8 +59,8 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
-#ifndef HALF_SOFTMAX
-#define HALF_SOFTMAX 0  // 1: with paired query terms, each lane half runs one tile's softmax (compute.cuh)
+#ifndef LANE_HEAD
+#define LANE_HEAD 0  // 1: with paired query terms, each lane runs one head's softmax (compute.cuh)
 #endif
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
@@ -200,7 +200,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // The lane's query channels, raw, in the order the query block reads them: issued before the
   // block-table prefetch, whose addresses wait for fp2_lo / hi, so the two overlap. (Every lane
   // reads a real head's row; the padding columns are zeroed below.)
-  const int qhead = kPairTerms ? (g & 3) : g;  // B column g: head g, or (kPairTerms) head g % 4's hi / lo term
+  // B column g: head g, or (kPairTerms) head g % 4's hi / lo term, or (kLaneHead) head g / 2's
+  const int qhead = kLaneHead ? (g >> 1) : kPairTerms ? (g & 3) : g;
   const float* qh = q + (head0 + min(qhead, GROUP - 1)) * D;
 #if KEY_S8
   float qraw[KS8][2][4];
@@ -265,10 +266,11 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const float f = wide ? 32.f : 64.f;
     const float inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c f 128)
     // score column 2t + h's head: lanes 4 * head hold its c (kPairTerms: column 2t + h is head
-    // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2)
+    // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2; kLaneHead: both columns are head t's,
+    // whose c lanes 8t.. hold)
     const int col_head = kPairTerms ? 2 * (t & 1) : 2 * t;
     key.term = kPairTerms && t < 2 ? 0x58005800u : 0x3c003c00u;  // half2(128, 128) : half2(1, 1)
-    sm.inv[0] = __shfl_sync(0xffffffffu, inv, 4 * col_head);
+    sm.inv[0] = __shfl_sync(0xffffffffu, inv, kLaneHead ? 8 * t : 4 * col_head);
     sm.inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4);
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
@@ -282,7 +284,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           whi |= s8_byte(h) << (8 * e);
           wlo |= s8_byte((v - h) * 128.f) << (8 * e);  // |v - h| <= 1/2: within [-64, 64]
         }
-        if constexpr (kPairTerms) {
+        if constexpr (kLaneHead) {
+          key.qf[ks][0][hl] = g & 1 ? wlo : whi;
+        } else if constexpr (kPairTerms) {
           key.qf[ks][0][hl] = g < 4 ? whi : wlo;
         } else {
           key.qf[ks][0][hl] = whi;
@@ -382,37 +386,37 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   float* red_m = reinterpret_cast<float*>(smem_raw);  // [NUM_WARPS, 8]
   float* red_l = red_m + NUM_WARPS * 8;              // [NUM_WARPS, 8]
   float* red_o = red_l + NUM_WARPS * 8;              // [NUM_WARPS, 8, D]
-  if (g == 0) {
+  if (g == 0) {  // kLaneHead: columns 2t and 2t + 1 are head t's, one (m, l) (the combine reads 2t's)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      red_m[warp * 8 + 2 * t + c] = sm.m[c];
-      red_l[warp * 8 + 2 * t + c] = sm.l[c];
+      red_m[warp * 8 + 2 * t + c] = sm.m[kLaneHead ? 0 : c];
+      red_l[warp * 8 + 2 * t + c] = sm.l[kLaneHead ? 0 : c];
     }
   }
 #pragma unroll
   for (int m = 0; m < NKS; ++m)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int head = 2 * t + (c & 1), ch = v_channel(g, c >> 1, m);
-      red_o[(warp * 8 + head) * D + ch] = oacc[m][c];
+      const int col = 2 * t + (c & 1), ch = v_channel(g, c >> 1, m);
+      red_o[(warp * 8 + col) * D + ch] = oacc[m][c];
     }
   __syncthreads();
   for (int idx = threadIdx.x; idx < GROUP * D; idx += NUM_WARPS * 32) {
     const int head = idx / D, ch = idx % D;
+    const int col = kLaneHead ? 2 * head : head;  // kLaneHead: columns 2 head, 2 head + 1
     float mx = ZD_NEG_INF;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red_m[w * 8 + head]);
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red_m[w * 8 + col]);
     float o = 0.f, l = 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-      const float wt = ex2(red_m[w * 8 + head] - mx);  // 0 for warps that saw no stage
-      if constexpr (kHalf) {  // columns head and head + 4: the warp's tiles 0 and 1, one max
-        o += wt * (red_o[(w * 8 + head) * D + ch] + red_o[(w * 8 + head + 4) * D + ch]);
-        l += wt * (red_l[w * 8 + head] + red_l[w * 8 + head + 4]);
+      const float wt = ex2(red_m[w * 8 + col] - mx);  // 0 for warps that saw no stage
+      if constexpr (kLaneHead) {  // the head's token rows 0..7 and 8..15 of each tile, one max
+        o += wt * (red_o[(w * 8 + col) * D + ch] + red_o[(w * 8 + col + 1) * D + ch]);
       } else {
-        o += wt * red_o[(w * 8 + head) * D + ch];
-        l += wt * red_l[w * 8 + head];
+        o += wt * red_o[(w * 8 + col) * D + ch];
       }
+      l += wt * red_l[w * 8 + col];
     }
     const size_t slot = (size_t(blockIdx.x / num_splits) * GROUP + head) * max_splits + blockIdx.x % num_splits;
     o_part[slot * D + ch] = o;

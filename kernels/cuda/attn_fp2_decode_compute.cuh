@@ -11,15 +11,15 @@ using namespace zd;
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
 constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query terms in one IMMA (below)
-// Half softmax (HALF_SOFTMAX, with kPairTerms): lanes t and t ^ 2 hold the same heads, so instead of
-// both running the softmax of both tiles, lane t < 2 takes tile 0 and lane t >= 2 tile 1. The hi + lo
-// exchange sends the partner the tile it takes (one shuffle per score instead of two). After the
-// transposes, lane (g, t)'s P^T column g is tile g / 4's (columns 4..7: heads 0..3 of tile 1), so
-// the output MMA of tile i takes the columns of tile i and zeros for the others: output columns
-// 0..3 accumulate tile 0, columns 4..7 tile 1, under the same running max (the rescale's max spans
-// both halves), and the CTA's combine adds column h + 4 to column h.
-constexpr bool kHalf = kPairTerms && HALF_SOFTMAX;
-constexpr int NS = kHalf ? 1 : NT;  // score tiles of one lane's softmax
+// Head per lane (LANE_HEAD, with kPairTerms): the score IMMA's B columns interleave the terms,
+// column 2h = head h's hi term and 2h + 1 its lo term, so lane (g, t) holds both terms of head t for
+// its two token rows and adds them itself (no exchange); each lane then runs the softmax of one head
+// (4 scores a stage instead of 8, with no lane repeating another's). After the transpose, lane
+// (g, t)'s P^T column g is head g / 2 for the tile's token rows 0..7 (g even) or 8..15 (g odd), and
+// the other register of its B pair is zero: output column 2h accumulates head h's rows 0..7 of each
+// tile, column 2h + 1 its rows 8..15, under the head's one running max, and the CTA's combine adds
+// the two columns. docs/fp2-kernel.md, "Head per lane".
+constexpr bool kLaneHead = kPairTerms && LANE_HEAD;
 #if KEY_S8
 // Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
@@ -34,8 +34,8 @@ constexpr int NS = kHalf ? 1 : NT;  // score tiles of one lane's softmax
 // with t < 2 accumulates hi partials of heads 2t, 2t+1 and its partner t + 2 the lo partials of the
 // same heads; each scales its own part and one shuffle adds them. Half the IMMAs, Q registers and
 // integer accumulators; lanes t >= 2 then carry copies of heads 0..3 in the softmax and the output
-// (columns the combine drops, as it dropped the padding heads), or with kHalf (below) tile 1's
-// share of them (columns the combine adds).
+// (columns the combine drops, as it dropped the padding heads), unless kLaneHead (above) orders the
+// columns by head instead.
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
 constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
@@ -43,21 +43,21 @@ constexpr int kScoreMagic = 0x4B400000;    // the bits of 1.5 * 2^23 (kPairTerms
 struct KeyOps {
   uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (or the lane's column's term)][b0, b1]
   uint32_t table;              // f L0..L3 as int8, bytes 0..3
-  uint32_t term;               // half2: 128 for lanes summing hi terms (kPairTerms, t < 2), else 1
+  uint32_t term;               // half2: 128 for lanes summing hi terms (kPairTerms, t < 2), else 1 (kLaneHead: unused)
 };
 // The key scales of one token row (its NBK blocks) as fp32, times the lane's term (a power of two
 // <= 2^7: exact, and E4M3 * 2^7 <= 57344 stays inside fp16).
 ZD_DEVICE void key_scales(const uint8_t* row, uint32_t term, float (&sc)[NBK]) {
   if constexpr (SCALE_FMT == kScaleE4M3 && NBK == 2) {
     uint32_t h2 = scales_to_half2<kScaleE4M3>(*reinterpret_cast<const uint16_t*>(row));  // one load, one cvt
-    if constexpr (kPairTerms) h2 = h2_as_u32(__hmul2(u32_as_h2(h2), u32_as_h2(term)));
+    if constexpr (kPairTerms && !kLaneHead) h2 = h2_as_u32(__hmul2(u32_as_h2(h2), u32_as_h2(term)));
     sc[0] = __low2float(u32_as_h2(h2));
     sc[1] = __high2float(u32_as_h2(h2));
   } else {
 #pragma unroll
     for (int b = 0; b < NBK; ++b) {
       sc[b] = scale_to_float<SCALE_FMT>(row[b]);
-      if constexpr (kPairTerms) sc[b] *= __low2float(u32_as_h2(term));
+      if constexpr (kPairTerms && !kLaneHead) sc[b] *= __low2float(u32_as_h2(term));
     }
   }
 }
@@ -74,7 +74,8 @@ struct KeyOps {
 
 struct Softmax {
   float m[2], l[2];  // running max (log2 domain) and this lane's partial sum: score columns 2t, 2t+1
-                     // (heads 2t, 2t+1; with paired terms heads 2(t % 2), 2(t % 2) + 1)
+                     // (heads 2t, 2t+1; with paired terms heads 2(t % 2), 2(t % 2) + 1; kLaneHead:
+                     // [0] only, head t)
 #if KEY_S8
   float inv[2];  // per score column: 1 / (c_h * f * 128), turning the integer scores into log2 units
 #endif
@@ -109,45 +110,70 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       for (int u = 0; u < NTERM; ++u)
         mma_s8(acc[b][u], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][u][0], key.qf[ks][u][1]);
     }
+    if constexpr (kLaneHead) {
+      // c[2r], c[2r+1]: token row g + 8r, head t's hi and lo terms. Both started at kScoreMagic's
+      // bits, so read as fp32 they are F = 1.5 * 2^23 + the partial, exactly (see below). Per block,
+      // F_hi * 128 - 129 * 1.5 * 2^23 = 128 hi - 1.5 * 2^23 exactly (a multiple of 128 below 2^28:
+      // <= 21 significant bits; both constants are exact), and adding F_lo gives 128 hi + lo, rounded
+      // once (|.| < 2^27, as the two-term path below); then times the block's scale.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
-      float sc[NBK];
-      key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
-      // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
-      if constexpr (kPairTerms) {
-        // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
-        // 1.5 * 2^23 + the lane's partial (|partial| < 2^20 < 2^22): F * sc - 1.5 * 2^23 * sc is
-        // the partial times the scale, rounded once (no int-to-float conversion on the ALU pipe).
-        float msc[NBK];
+      for (int r = 0; r < 2; ++r) {
+        float sc[NBK];
+        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
+        float v = 0.f;
 #pragma unroll
-        for (int b = 0; b < NBK; ++b) msc[b] = -12582912.f * sc[b];  // exact: sc has <= 8 significant bits
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v = fmaf(__int_as_float(acc[0][0][2 * r + h]), sc[0], msc[0]);
-#pragma unroll
-          for (int b = 1; b < NBK; ++b) v += fmaf(__int_as_float(acc[b][0][2 * r + h]), sc[b], msc[b]);
-          sacc[i][2 * r + h] = v;
+        for (int b = 0; b < NBK; ++b) {
+          const float x = fmaf(__int_as_float(acc[b][0][2 * r]), 128.f, -1623195648.f) + __int_as_float(acc[b][0][2 * r + 1]);
+          v = b ? fmaf(x, sc[b], v) : x * sc[b];
         }
-      } else {
+        sacc[i][r] = v;
+      }
+    } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
+        float sc[NBK];
+        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
+        // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
+        if constexpr (kPairTerms) {
+          // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
+          // 1.5 * 2^23 + the lane's partial (|partial| < 2^20 < 2^22): F * sc - 1.5 * 2^23 * sc is
+          // the partial times the scale, rounded once (no int-to-float conversion on the ALU pipe).
+          float msc[NBK];
 #pragma unroll
-          for (int b = 0; b < NBK; ++b) {
-            // hi * 128 + lo: |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
-            const float v = float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
-            sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
+          for (int b = 0; b < NBK; ++b) msc[b] = -12582912.f * sc[b];  // exact: sc has <= 8 significant bits
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float v = fmaf(__int_as_float(acc[0][0][2 * r + h]), sc[0], msc[0]);
+#pragma unroll
+            for (int b = 1; b < NBK; ++b) v += fmaf(__int_as_float(acc[b][0][2 * r + h]), sc[b], msc[b]);
+            sacc[i][2 * r + h] = v;
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int b = 0; b < NBK; ++b) {
+              // hi * 128 + lo: |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
+              const float v = float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
+              sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
+            }
           }
         }
       }
     }
-    if constexpr (kPairTerms && !kHalf) {
+    if constexpr (kPairTerms && !kLaneHead) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) sacc[i][c] += __shfl_xor_sync(0xffffffffu, sacc[i][c], 2);  // hi + lo
     }
-    if constexpr (PARTIAL) {  // kHalf: both terms masked before they are added (-inf + -inf)
+    if constexpr (PARTIAL) {
       const int tok0 = tok_of_row(g) + 16 * i, tok1 = tok0 + kRowStep8;
-      if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
-      if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+      if constexpr (kLaneHead) {  // sacc[i][r]: token row g + 8r
+        if (!((valid >> tok0) & 1u)) sacc[i][0] = ZD_NEG_INF;
+        if (!((valid >> tok1) & 1u)) sacc[i][1] = ZD_NEG_INF;
+      } else {
+        if (!((valid >> tok0) & 1u)) sacc[i][0] = sacc[i][1] = ZD_NEG_INF;
+        if (!((valid >> tok1) & 1u)) sacc[i][2] = sacc[i][3] = ZD_NEG_INF;
+      }
     }
   }
 #else
@@ -200,56 +226,65 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #else
   constexpr float u[2] = {1.f, 1.f};
 #endif
-  // The scores of the lane's softmax: both tiles, or (kHalf) its own tile, hi + lo.
-  float ss[NS][4];
+  // pb[i][h]: P^T of tile i at token rows 2t + 8h, 2t + 8h + 1 of column g (the output MMA's B
+  // registers). kLaneHead: one register holds rows 8 (g % 2) + 2t, + 1 of head g / 2 (both entries;
+  // the output MMA's B pair is it and a zero, by g % 2, below).
+  uint32_t pb[NT][2];
+  static_assert(NT == 2, "two tiles a stage");
+  if constexpr (kLaneHead) {
+    float mx = fmaxf(fmaxf(sacc[0][0], sacc[0][1]), fmaxf(sacc[1][0], sacc[1][1]));
+    // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
+    // from then on.
+    if (__any_sync(0xffffffffu, mx * u[0] > sm.m[0] + kRescaleSlack)) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    if constexpr (kHalf) {
-      const bool upper = t >= 2;  // this lane takes tile 1, its partner t ^ 2 tile 0
-      const float keep = upper ? sacc[1][c] : sacc[0][c], send = upper ? sacc[0][c] : sacc[1][c];
-      ss[0][c] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-    } else {
+      for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m0 = fmaxf(sm.m[0], mx * u[0]);
+      const float al = ex2(sm.m[0] - m0);  // 0 on the first stage
+      sm.l[0] *= al;
 #pragma unroll
-      for (int i = 0; i < NS; ++i) ss[i][c] = sacc[i][c];
+      for (int m = 0; m < NKS; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) oacc[m][c] *= al;
+      sm.m[0] = m0;
     }
-  }
-  float mx[2] = {fmaxf(ss[0][0], ss[0][2]), fmaxf(ss[0][1], ss[0][3])};
 #pragma unroll
-  for (int i = 1; i < NS; ++i) {
-    mx[0] = fmaxf(mx[0], fmaxf(ss[i][0], ss[i][2]));
-    mx[1] = fmaxf(mx[1], fmaxf(ss[i][1], ss[i][3]));
-  }
-  // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
-  // from then on.
-  if (__any_sync(0xffffffffu, mx[0] * u[0] > sm.m[0] + kRescaleSlack || mx[1] * u[1] > sm.m[1] + kRescaleSlack)) {
-#pragma unroll
-    for (int off = kHalf ? 2 : 4; off < 32; off <<= 1) {  // kHalf: the partner's tile too
-      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
-      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
+    for (int i = 0; i < NT; ++i) {
+      const float p0 = ex2(fmaf(sacc[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(sacc[i][1], u[0], -sm.m[0]));
+      sm.l[0] += p0 + p1;
+      pb[i][0] = pb[i][1] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 8 (g % 2) + 2t, + 1][head g / 2]
     }
-    const float m0 = fmaxf(sm.m[0], mx[0] * u[0]), m1 = fmaxf(sm.m[1], mx[1] * u[1]);
-    const float al0 = ex2(sm.m[0] - m0), al1 = ex2(sm.m[1] - m1);  // 0 on the first stage
-    sm.l[0] *= al0;
-    sm.l[1] *= al1;
+  } else {
+    float mx[2] = {fmaxf(fmaxf(sacc[0][0], sacc[0][2]), fmaxf(sacc[1][0], sacc[1][2])),
+                   fmaxf(fmaxf(sacc[0][1], sacc[0][3]), fmaxf(sacc[1][1], sacc[1][3]))};
+    if (__any_sync(0xffffffffu, mx[0] * u[0] > sm.m[0] + kRescaleSlack || mx[1] * u[1] > sm.m[1] + kRescaleSlack)) {
 #pragma unroll
-    for (int m = 0; m < NKS; ++m) {
-      oacc[m][0] *= al0;
-      oacc[m][1] *= al1;
-      oacc[m][2] *= al0;
-      oacc[m][3] *= al1;
+      for (int off = 4; off < 32; off <<= 1) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
+      }
+      const float m0 = fmaxf(sm.m[0], mx[0] * u[0]), m1 = fmaxf(sm.m[1], mx[1] * u[1]);
+      const float al0 = ex2(sm.m[0] - m0), al1 = ex2(sm.m[1] - m1);  // 0 on the first stage
+      sm.l[0] *= al0;
+      sm.l[1] *= al1;
+#pragma unroll
+      for (int m = 0; m < NKS; ++m) {
+        oacc[m][0] *= al0;
+        oacc[m][1] *= al1;
+        oacc[m][2] *= al0;
+        oacc[m][3] *= al1;
+      }
+      sm.m[0] = m0;
+      sm.m[1] = m1;
     }
-    sm.m[0] = m0;
-    sm.m[1] = m1;
-  }
-  uint32_t pb[NS][2];
 #pragma unroll
-  for (int i = 0; i < NS; ++i) {
-    const float p0 = ex2(fmaf(ss[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(ss[i][1], u[1], -sm.m[1]));
-    const float p2 = ex2(fmaf(ss[i][2], u[0], -sm.m[0])), p3 = ex2(fmaf(ss[i][3], u[1], -sm.m[1]));
-    sm.l[0] += p0 + p2;
-    sm.l[1] += p1 + p3;
-    pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 2t, 2t+1][head g]
-    pb[i][1] = movmatrix_trans(pack_half2(p2, p3));  // P^T[rows 2t+8, 2t+9][head g]
+    for (int i = 0; i < NT; ++i) {
+      const float p0 = ex2(fmaf(sacc[i][0], u[0], -sm.m[0])), p1 = ex2(fmaf(sacc[i][1], u[1], -sm.m[1]));
+      const float p2 = ex2(fmaf(sacc[i][2], u[0], -sm.m[0])), p3 = ex2(fmaf(sacc[i][3], u[1], -sm.m[1]));
+      sm.l[0] += p0 + p2;
+      sm.l[1] += p1 + p3;
+      pb[i][0] = movmatrix_trans(pack_half2(p0, p1));  // P^T[rows 2t, 2t+1][head g]
+      pb[i][1] = movmatrix_trans(pack_half2(p2, p3));  // P^T[rows 2t+8, 2t+9][head g]
+    }
   }
 
 #if V_QUAD
@@ -291,15 +326,47 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       }
     }
   };
-  uint32_t pv_half[NBV][2];  // kHalf: the lane's column is tile g / 4's, scaled once
-  if constexpr (kHalf) scaled_p(st->vs + 4 * NBV * t + 16 * NBV * (g >> 2), 4 * (g >> 2) + t, pb[0], pv_half);
+  // kLaneHead: the B pair of the output MMA is (x, 0) for even g, (0, x) for odd g: x times the
+  // lane's half2 masks (1 or 0), HMUL2 on the FMA pipes rather than selects on the ALU pipe.
+  const uint32_t keep0 = (g & 1) ? 0u : 0x3c003c00u, keep1 = 0x3c003c00u ^ keep0;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     uint32_t pv[NBV][2];
-    if constexpr (kHalf) {
-      const uint32_t mine = (g >> 2) == i ? 0xffffffffu : 0u;  // tile i's columns; zeros for the other's
+    if constexpr (kLaneHead) {
+      // x holds quad t's tokens 2 (g % 2), 2 (g % 2) + 1: only their scales are read and converted.
+      const int hs = g & 1;
+      const uint8_t* pair = st->vs + 4 * NBV * t + 16 * NBV * i + 2 * NBV * hs;  // token 2 hs, then 2 hs + 1
+      uint32_t keep = 0xffffffffu;
+      if constexpr (PARTIAL) {  // as in scaled_p
+        const int ta = 4 * (4 * i + t) + 2 * hs;
+        keep = (((valid >> ta) & 1u) ? 0x0000ffffu : 0u) | (((valid >> (ta + 1)) & 1u) ? 0xffff0000u : 0u);
+      }
+      uint32_t s2[NBV];
+      if constexpr (SCALE_FMT == kScaleE4M3 && NBV == 2) {
+        const uint32_t both = prmt(*reinterpret_cast<const uint32_t*>(pair), 0u, 0x3120);
+        s2[0] = e4m3x2_lo(both) & keep;
+        s2[1] = e4m3x2_hi(both) & keep;
+      } else {
+        constexpr int NW = (2 * NBV + 3) / 4;  // words holding the pair's 2 NBV bytes
+        uint32_t qs[NW];
+        if constexpr (NBV == 1) {
+          qs[0] = *reinterpret_cast<const uint16_t*>(pair);
+        } else {
 #pragma unroll
-      for (int b = 0; b < NBV; ++b) pv[b][0] = pv_half[b][0] & mine, pv[b][1] = pv_half[b][1] & mine;
+          for (int x = 0; x < NW; ++x) qs[x] = reinterpret_cast<const uint32_t*>(pair)[x];
+        }
+#pragma unroll
+        for (int b = 0; b < NBV; ++b) {
+          const int i0 = b, i1 = NBV + b;
+          s2[b] = value_scales_to_half2<SCALE_FMT>(prmt(qs[i0 >> 2], qs[i1 >> 2], (i0 & 3) | (((i1 & 3) + 4) << 4))) & keep;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < NBV; ++b) {
+        const __half2 y = __hmul2(u32_as_h2(pb[i][0]), u32_as_h2(s2[b]));
+        pv[b][0] = h2_as_u32(__hmul2(y, u32_as_h2(keep0)));
+        pv[b][1] = h2_as_u32(__hmul2(y, u32_as_h2(keep1)));
+      }
     } else {
       // offsets written as the lane's part plus tile i's, which then is an immediate
       scaled_p(st->vs + 4 * NBV * t + 16 * NBV * i, 4 * i + t, pb[i], pv);
@@ -331,9 +398,15 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    uint32_t pt[2];  // P^T of tile i (kHalf: the lane's column if it is tile i's, else zeros)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) pt[h] = kHalf ? (pb[0][h] & ((g >> 2) == i ? 0xffffffffu : 0u)) : pb[kHalf ? 0 : i][h];
+    uint32_t pt[2];  // P^T of tile i (kLaneHead: the lane's register and a zero, by g % 2)
+    if constexpr (kLaneHead) {
+      const uint32_t keep0 = (g & 1) ? 0u : 0x3c003c00u, keep1 = 0x3c003c00u ^ keep0;
+      pt[0] = h2_as_u32(__hmul2(u32_as_h2(pb[i][0]), u32_as_h2(keep0)));
+      pt[1] = h2_as_u32(__hmul2(u32_as_h2(pb[i][0]), u32_as_h2(keep1)));
+    } else {
+      pt[0] = pb[i][0];
+      pt[1] = pb[i][1];
+    }
     // Lane (g, t) feeds token pairs at positions (2t, 2t+1) and (2t+8, 2t+9).
     uint32_t v[2][2][8];  // [pair][half r][m-tile % 8 mapping] expanded, scaled half2 (tokA, tokB)
 #pragma unroll
