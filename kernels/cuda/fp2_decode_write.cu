@@ -108,21 +108,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
   // the scratch page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
-  __shared__ SearchShare search;
-  __shared__ ChainShare chain;
   if (side == 0) {
     float scale[D / K_BLOCK];
-    block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale, search);
+    block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
     if (STAGE_ROWS && rows != nullptr) rows_staged();
     if (warp == 0)
       quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
-                                   k_scales + at * (D / K_BLOCK), chain);
+                                   k_scales + at * (D / K_BLOCK));
   } else {
     float scale[D / V_BLOCK];
-    block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale, search);
+    block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
     if (STAGE_ROWS && rows != nullptr) rows_staged();
     if (warp == 0)
       quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
-                                    int(prow & 3), v_scales + at * (D / V_BLOCK), chain);
+                                    int(prow & 3), v_scales + at * (D / V_BLOCK));
   }
 }

@@ -46,19 +46,6 @@ static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256")
 static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
 static_assert(!STAGE_ROWS || D <= 128, "a staged factor of more than 64 KB (kernels/kv_write.py stages D <= 128)");
 
-// The shared memory of one side's write, the caller's to place: the MSE search's per-warp least
-// (error, candidate) of each block, and the chain's row, scales and codes (quantize_row,
-// feedback_codes_exact).
-struct SearchShare {
-  double err[D / 32][kRowWarps];
-  float scale[D / 32][kRowWarps];
-};
-struct ChainShare {
-  float v[D];
-  float scale[D / 32];
-  int code[D];
-};
-
 // Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
 // 16-byte words, by the whole CTA (see the hazards in fp2_decode_write.cu).
 __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
@@ -241,16 +228,18 @@ __device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows
   for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
 }
 
-// Step 4's scales for one side (BS channels per block), the part of warp `warp` of the NW warps
-// that share the search (v: the row, lane-strided, in each of them): absmax scales straight into
-// `scale`; for MSE, the least (error, candidate) of the warp's share of the candidates into `sh`,
-// which `pick_scales` reads after a barrier.
-template <int BS, int NW>
-__device__ __forceinline__ void search_share(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
-                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS], SearchShare& sh) {
-  static_assert(NW <= kRowWarps, "the shares hold kRowWarps warps");
+// Step 4's scales for one side (BS channels per block), the MSE search shared by every warp of the
+// CTA (a __syncthreads inside: the caller is uniform per CTA); v: the row, lane-strided, in every
+// warp. Absmax scales go straight into `scale`; for MSE each warp takes its share of the
+// candidates, leaves its least (error, candidate) per block in shared memory, and after the barrier
+// every thread picks the first least error over the shares.
+template <int BS>
+__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS]) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
-  constexpr int CPW = (NUM_CAND + NW - 1) / NW;  // MSE candidates per warp
+  constexpr int CPW = (NUM_CAND + kRowWarps - 1) / kRowWarps;  // MSE candidates per warp
+  __shared__ double sh_err[D / 32][kRowWarps];
+  __shared__ float sh_scale[D / 32][kRowWarps];
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   // midpoints(): (L[i + 1] + L[i]) / 2, a halving being exact either way
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
@@ -305,34 +294,20 @@ __device__ __forceinline__ void search_share(const float (&v)[PER], int lane, in
 #pragma unroll
     for (int k = 0; k < CPW; ++k)
       if (warp * CPW + k < NUM_CAND && err[k] < best) best = err[k], pick = cand[k];
-    if (lane == 0) sh.err[b][warp] = best, sh.scale[b][warp] = pick;
+    if (lane == 0) sh_err[b][warp] = best, sh_scale[b][warp] = pick;
   }
-}
-
-// The MSE scales from the NW shares (after a barrier past every share's store): shares in
-// candidate order, strict <: the first least error over all (candidate 0 where every error
-// overflows to inf).
-template <int BS, int NW>
-__device__ __forceinline__ void pick_scales(const SearchShare& sh, float (&scale)[D / BS]) {
-#pragma unroll
-  for (int b = 0; b < D / BS; ++b) {
-    double best = sh.err[b][0];
-    scale[b] = sh.scale[b][0];
-#pragma unroll
-    for (int w = 1; w < NW; ++w)
-      if (sh.err[b][w] < best) best = sh.err[b][w], scale[b] = sh.scale[b][w];
-  }
-}
-
-// Step 4's scales for one side, the search shared by every warp of the CTA (a __syncthreads
-// inside: the caller is uniform per CTA); v: the row, lane-strided, in every warp.
-template <int BS>
-__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
-                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS], SearchShare& sh) {
-  search_share<BS, kRowWarps>(v, lane, warp, lv, fracs, mse, scale, sh);
   if (!mse) return;
   __syncthreads();
-  pick_scales<BS, kRowWarps>(sh, scale);
+  // shares in candidate order, strict <: the first least error over all (candidate 0 where every
+  // error overflows to inf)
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    double best = sh_err[b][0];
+    scale[b] = sh_scale[b][0];
+#pragma unroll
+    for (int w = 1; w < kRowWarps; ++w)
+      if (sh_err[b][w] < best) best = sh_err[b][w], scale[b] = sh_scale[b][w];
+  }
 }
 
 // Every thread's copies of the staged factor have landed, and warp 0 sees them (the whole CTA
@@ -348,13 +323,16 @@ __device__ __forceinline__ void rows_staged() {
 template <int BS, bool QUAD>
 __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
                              const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
-                             uint8_t* __restrict__ scale_bytes, ChainShare& sh) {
+                             uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
   const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
   const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
 
+  // the chain's row, scales and codes (feedback_codes_exact)
+  __shared__ float sh_v[D], sh_scale[D / 32];
+  __shared__ int sh_code[D];
   int code[PER] = {};
   if (rows == nullptr) {
 #pragma unroll
@@ -365,17 +343,17 @@ __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const fl
   } else {
     const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
 #pragma unroll
-    for (int i = 0; i < PER; ++i) sh.v[32 * i + lane] = v[i];
+    for (int i = 0; i < PER; ++i) sh_v[32 * i + lane] = v[i];
     if (lane == 0) {
 #pragma unroll
-      for (int b = 0; b < NB; ++b) sh.scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
+      for (int b = 0; b < NB; ++b) sh_scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
     }
-    __syncwarp();  // sh.v is read across lanes
-    if (__any_sync(kFull, feedback_codes<BS, false>(sh.v, code, lane, rows, scale, m, l))) {
-      feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh.v, sh.scale, sh.code);
+    __syncwarp();  // sh_v is read across lanes
+    if (__any_sync(kFull, feedback_codes<BS, false>(sh_v, code, lane, rows, scale, m, l))) {
+      feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh_v, sh_scale, sh_code);
       __syncwarp();
 #pragma unroll
-      for (int i = 0; i < PER; ++i) code[i] = sh.code[32 * i + lane];
+      for (int i = 0; i < PER; ++i) code[i] = sh_code[32 * i + lane];
     }
   }
 
