@@ -312,6 +312,9 @@ def run(args: argparse.Namespace) -> int:
 
     from zerodram.runtime.metrics.devtime import copy_bandwidth
 
+    if args.l2_pages < 0:
+        print(f"--l2-pages takes a page count >= 0 (0: off), got {args.l2_pages}", file=sys.stderr)
+        return 2
     forced_splits = [int(x) or None for x in args.splits.split(",")]
     if any(x is not None and x < 0 for x in forced_splits):
         print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
@@ -325,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     print(f"# {name}, measured copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     if args.l2_pages:
-        print(f"# --l2-pages {args.l2_pages}: pages read from L2; a diagnostic, not a result", flush=True)
+        print(f"# --l2-pages {args.l2_pages}: pages read from L2; a diagnostic, not a result (GB/s and %copy "
+              "count the bytes as if from DRAM)", flush=True)
     defaults = (4, 4, 1, None)  # warps, stages, min blocks, key_s8 (None: the runtime's choice)
     configs = []
     for c in args.configs.split(","):

@@ -49,10 +49,6 @@ class Fp2KernelConfig:
     # 474 instructions and the same floating-point and MMA instructions in the whole kernel; measured
     # 2-3% faster at L = 128k (docs/benchmarks.md, 2026-12-05).
     register_usage: int = 8
-    # With int8 keys and G <= 4 (paired query terms), each lane runs one head's softmax and adds its
-    # head's two query terms itself, instead of lane pairs exchanging them and every lane running
-    # two heads that another lane repeats (attn_fp2_decode_compute.cuh, kLaneHead); no effect otherwise.
-    lane_head: bool = True
     timeline: bool = False  # per-CTA %globaltimer stamps (benchmarks/attention_timeline.py); off: same SASS
     # attn_fp2_write: warps sharing one scale block's 33 MSE candidates (capped at 1024 threads a
     # CTA) where the grid is short (a decode append: a latency chain, one warp walking all 33 was
@@ -73,7 +69,6 @@ class Fp2KernelConfig:
             "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
             "V_QUAD": int(self.v_quad),
-            "LANE_HEAD": int(self.lane_head),
             "TIMELINE": int(self.timeline),
         }
 

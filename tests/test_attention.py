@@ -48,11 +48,9 @@ def test_kernels_compile_for_sm90(cfg: Fp2KernelConfig, kernel: str) -> None:
      Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True),
      Fp2KernelConfig(64, 8, 32, 16, "e8m0", v_quad=True), Fp2KernelConfig(128, 2, 64, 128, "e4m3", v_quad=True),
      Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True, timeline=True),
-     Fp2KernelConfig(128, 4, 64, 64, "e4m3", key_s8=True, v_quad=True, lane_head=True),
-     Fp2KernelConfig(64, 3, 64, 64, "e4m3", key_s8=True, lane_head=True)],
+     Fp2KernelConfig(64, 3, 64, 64, "e4m3", key_s8=True)],
     ids=lambda c: f"d{c.head_dim}g{c.group}b{c.k_block}v{c.v_block}{c.scale_dtype}m{c.min_blocks}"
-    + ("s8" if c.key_s8 else "") + ("quad" if c.v_quad else "") + ("timeline" if c.timeline else "")
-    + ("lanehead" if c.lane_head else ""),
+    + ("s8" if c.key_s8 else "") + ("quad" if c.v_quad else "") + ("timeline" if c.timeline else ""),
 )  # fmt: skip
 def test_decode_variants_compile_for_sm90(cfg: Fp2KernelConfig) -> None:
     assert compile_cubin("attn_fp2_decode", cfg.build_options("attn_fp2_decode"))[:4] == b"\x7fELF"
@@ -78,20 +76,25 @@ def test_selector_halves_pass_through_hi16_bit_for_bit() -> None:
 def test_int8_partials_read_as_fp32_through_the_magic_start() -> None:
     """With paired query terms the IMMA accumulators start at the bits of 1.5 * 2^23 (kScoreMagic in
     attn_fp2_decode_compute.cuh): read as fp32 they are 1.5 * 2^23 + partial exactly while
-    |partial| < 2^22 (the kernel's are < 2^20: 64 channels x |q| <= 64 x |k| <= 127), and one FMA
-    with -1.5 * 2^23 * scale gives partial * scale rounded once, for any E4M3 scale."""
+    |partial| < 2^22 (the kernel's are < 2^20: 64 channels x |q| <= 64 x |k| <= 127). A lane holds
+    its head's hi and lo partials; fmaf(F_hi, 128, -129 * 1.5 * 2^23) is 128 hi - 1.5 * 2^23 exactly
+    (one FMA of exact operands: the rounding of an exact result), and adding F_lo gives
+    fp32(128 hi + lo), one rounding, as the kernel's docs say."""
     import numpy as np
 
-    magic = 0x4B400000
-    partials = np.array([0, 1, -1, 2**20 - 1, -(2**20), 2**22 - 1, -(2**22), 123457, -98765], dtype=np.int64)
-    f = ((magic + partials) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-    assert (f.astype(np.float64) == 1.5 * 2**23 + partials).all()
-    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # positive E4M3
-    for sc in np.concatenate([scales, scales * 128]):  # the hi lanes' scales carry the term 128
-        msc = np.float32(-12582912.0) * np.float32(sc)
-        assert float(msc) == -12582912.0 * float(sc)  # exact: sc has <= 4 significant bits
-        fma = np.float32(f.astype(np.float64) * float(sc) + float(msc))  # exact product and sum, one rounding
-        assert (fma == (partials * float(sc)).astype(np.float32)).all()
+    magic, const = 0x4B400000, np.float32(-1623195648.0)
+    assert float(const) == -129 * 1.5 * 2**23  # exact in fp32
+    rng = np.random.default_rng(4)
+    edges = [0, 1, -1, 2**20 - 1, -(2**20), 2**22 - 1, -(2**22), 123457, -98765]
+    hi = np.array(edges + list(rng.integers(-(2**22), 2**22, 20000)), dtype=np.int64)
+    lo = np.array(edges[::-1] + list(rng.integers(-(2**22), 2**22, 20000)), dtype=np.int64)
+    as_f32 = lambda p: ((magic + p) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)  # noqa: E731
+    f_hi, f_lo = as_f32(hi), as_f32(lo)
+    assert (f_hi.astype(np.float64) == 1.5 * 2**23 + hi).all()
+    # an FMA: the exact product and sum (float64 holds them), rounded once to fp32
+    y = (f_hi.astype(np.float64) * 128 + float(const)).astype(np.float32)
+    assert (y.astype(np.float64) == 128 * hi - 1.5 * 2**23).all()
+    assert ((y + f_lo) == (128 * hi + lo).astype(np.float64).astype(np.float32)).all()
 
 
 def test_int8_key_levels() -> None:

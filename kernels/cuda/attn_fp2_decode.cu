@@ -59,9 +59,6 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
-#ifndef LANE_HEAD
-#define LANE_HEAD 0  // 1: with paired query terms, each lane runs one head's softmax (compute.cuh)
-#endif
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
 #endif
@@ -200,8 +197,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // The lane's query channels, raw, in the order the query block reads them: issued before the
   // block-table prefetch, whose addresses wait for fp2_lo / hi, so the two overlap. (Every lane
   // reads a real head's row; the padding columns are zeroed below.)
-  // B column g: head g, or (kPairTerms) head g % 4's hi / lo term, or (kLaneHead) head g / 2's
-  const int qhead = kLaneHead ? (g >> 1) : kPairTerms ? (g & 3) : g;
+  // B column g: head g, or (kPairTerms) head g / 2's term g % 2 (hi, lo)
+  const int qhead = kPairTerms ? (g >> 1) : g;
   const float* qh = q + (head0 + min(qhead, GROUP - 1)) * D;
 #if KEY_S8
   float qraw[KS8][2][4];
@@ -234,8 +231,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   };
   uint32_t rows_cur = load_rows(0), rows_next = load_rows(1);
 
-  // Q^T fragments (B operand): head g (lanes g >= GROUP multiply zeros; kPairTerms below), channels
-  // in the permuted K order.
+  // Q^T fragments (B operand): column g's head `qhead` (columns of heads >= GROUP multiply zeros),
+  // channels in the permuted K order.
   KeyOps key;
   Softmax sm;  // the query block below sets its inv (KEY_S8)
   sm.m[0] = sm.m[1] = ZD_NEG_INF;
@@ -255,8 +252,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           mx = fmaxf(mx, fabsf(x[ks][hl][e]));
         }
 #pragma unroll
-    // one scale per head (lanes 4g..4g+3 hold head g's channels): a head much smaller than the
-    // group's largest keeps its own 13 bits
+    // one scale per head (lanes 4g..4g+3 hold column g's head's channels): a head much smaller than
+    // the group's largest keeps its own 13 bits
     for (int off = 1; off < 4; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     // c = 2^(5 - floor(log2 mx)), the exponent held inside [-100, 100] so that c and 1 / (c f 128)
     // stay normal fp32 (a head below 2^-100 rounds to zero terms: it adds nothing to any score)
@@ -265,13 +262,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     const bool wide = fmaxf(fabsf(lv[0]), fabsf(lv[3])) >= 2.f;  // f = 32 instead of 64
     const float f = wide ? 32.f : 64.f;
     const float inv = __uint_as_float(uint32_t(127 - 5 - (wide ? 12 : 13) + ex) << 23);  // 1 / (c f 128)
-    // score column 2t + h's head: lanes 4 * head hold its c (kPairTerms: column 2t + h is head
-    // 2(t % 2) + h's hi term for t < 2, lo term for t >= 2; kLaneHead: both columns are head t's,
-    // whose c lanes 8t.. hold)
-    const int col_head = kPairTerms ? 2 * (t & 1) : 2 * t;
-    key.term = kPairTerms && t < 2 ? 0x58005800u : 0x3c003c00u;  // half2(128, 128) : half2(1, 1)
-    sm.inv[0] = __shfl_sync(0xffffffffu, inv, kLaneHead ? 8 * t : 4 * col_head);
-    sm.inv[1] = __shfl_sync(0xffffffffu, inv, 4 * col_head + 4);
+    // The lane's softmax heads 2t, 2t + 1 (kPairTerms: head t, [0] only) have their c in lanes 8t
+    // and 8t + 4 (column 2t, 2t + 1; with paired terms both head t's).
+    sm.inv[0] = __shfl_sync(0xffffffffu, inv, 8 * t);
+    sm.inv[1] = kPairTerms ? 0.f : __shfl_sync(0xffffffffu, inv, 8 * t + 4);
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks)
 #pragma unroll
@@ -284,10 +278,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           whi |= s8_byte(h) << (8 * e);
           wlo |= s8_byte((v - h) * 128.f) << (8 * e);  // |v - h| <= 1/2: within [-64, 64]
         }
-        if constexpr (kLaneHead) {
+        if constexpr (kPairTerms) {
           key.qf[ks][0][hl] = g & 1 ? wlo : whi;
-        } else if constexpr (kPairTerms) {
-          key.qf[ks][0][hl] = g < 4 ? whi : wlo;
         } else {
           key.qf[ks][0][hl] = whi;
           key.qf[ks][NTERM - 1][hl] = wlo;
@@ -386,11 +378,11 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   float* red_m = reinterpret_cast<float*>(smem_raw);  // [NUM_WARPS, 8]
   float* red_l = red_m + NUM_WARPS * 8;              // [NUM_WARPS, 8]
   float* red_o = red_l + NUM_WARPS * 8;              // [NUM_WARPS, 8, D]
-  if (g == 0) {  // kLaneHead: columns 2t and 2t + 1 are head t's, one (m, l) (the combine reads 2t's)
+  if (g == 0) {  // kPairTerms: columns 2t and 2t + 1 are head t's, one (m, l) (the combine reads 2t's)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      red_m[warp * 8 + 2 * t + c] = sm.m[kLaneHead ? 0 : c];
-      red_l[warp * 8 + 2 * t + c] = sm.l[kLaneHead ? 0 : c];
+      red_m[warp * 8 + 2 * t + c] = sm.m[kPairTerms ? 0 : c];
+      red_l[warp * 8 + 2 * t + c] = sm.l[kPairTerms ? 0 : c];
     }
   }
 #pragma unroll
@@ -403,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   __syncthreads();
   for (int idx = threadIdx.x; idx < GROUP * D; idx += NUM_WARPS * 32) {
     const int head = idx / D, ch = idx % D;
-    const int col = kLaneHead ? 2 * head : head;  // kLaneHead: columns 2 head, 2 head + 1
+    const int col = kPairTerms ? 2 * head : head;  // kPairTerms: columns 2 head, 2 head + 1
     float mx = ZD_NEG_INF;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red_m[w * 8 + col]);
@@ -411,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = ex2(red_m[w * 8 + col] - mx);  // 0 for warps that saw no stage
-      if constexpr (kLaneHead) {  // the head's token rows 0..7 and 8..15 of each tile, one max
+      if constexpr (kPairTerms) {  // the head's token rows 0..7 and 8..15 of each tile, one max
         o += wt * (red_o[(w * 8 + col) * D + ch] + red_o[(w * 8 + col + 1) * D + ch]);
       } else {
         o += wt * red_o[(w * 8 + col) * D + ch];

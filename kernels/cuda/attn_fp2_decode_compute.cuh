@@ -10,16 +10,8 @@ namespace {
 using namespace zd;
 
 // What the score MMAs need besides the stage: the query as B fragments and the key level table.
-constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;  // int8 keys: both query terms in one IMMA (below)
-// Head per lane (LANE_HEAD, with kPairTerms): the score IMMA's B columns interleave the terms,
-// column 2h = head h's hi term and 2h + 1 its lo term, so lane (g, t) holds both terms of head t for
-// its two token rows and adds them itself (no exchange); each lane then runs the softmax of one head
-// (4 scores a stage instead of 8, with no lane repeating another's). After the transpose, lane
-// (g, t)'s P^T column g is head g / 2 for the tile's token rows 0..7 (g even) or 8..15 (g odd), and
-// the other register of its B pair is zero: output column 2h accumulates head h's rows 0..7 of each
-// tile, column 2h + 1 its rows 8..15, under the head's one running max, and the CTA's combine adds
-// the two columns. docs/fp2-kernel.md, "Head per lane".
-constexpr bool kLaneHead = kPairTerms && LANE_HEAD;
+// int8 keys with G <= 4: both query terms in one IMMA, a head per lane (below)
+constexpr bool kPairTerms = KEY_S8 && GROUP <= 4;
 #if KEY_S8
 // Keys are their levels times f as int8, f = 64 if every |L| < 2 else 32 (integers for e5m2-exact
 // codebooks whose inner levels are >= 1/16, resp. 1/8; check_tables verifies), and the MMA is
@@ -29,36 +21,31 @@ constexpr bool kLaneHead = kPairTerms && LANE_HEAD;
 // multiplied by the block's key scale; the softmax applies 1 / (c * f * 128) (Softmax::inv).
 // Lane t supplies word 4j + t of its rows for k32 steps 2j (codes 0,2,.. / 8,10,..) and 2j + 1
 // (codes 1,3,.. / 9,11,..): k32 step ks, k index kk (0..31) is channel k8_channel(ks, kk).
-// With GROUP <= 4 the two query terms share one IMMA (kPairTerms): columns 0..3 of the B operand
-// are the heads' hi terms, columns 4..7 their lo terms (the padding columns otherwise), so a lane
-// with t < 2 accumulates hi partials of heads 2t, 2t+1 and its partner t + 2 the lo partials of the
-// same heads; each scales its own part and one shuffle adds them. Half the IMMAs, Q registers and
-// integer accumulators; lanes t >= 2 then carry copies of heads 0..3 in the softmax and the output
-// (columns the combine drops, as it dropped the padding heads), unless kLaneHead (above) orders the
-// columns by head instead.
+// With GROUP <= 4 the two query terms share one IMMA (kPairTerms), a head per lane: B column 2h is
+// head h's hi term and 2h + 1 its lo term, so lane (g, t) holds both terms of head t for its two
+// token rows and adds them itself; half the IMMAs, Q registers and integer accumulators, and each
+// lane runs the softmax of one head (4 scores a stage, no lane repeating another's). After the
+// transpose, lane (g, t)'s P^T column g is head g / 2 for the tile's token rows 0..7 (g even) or
+// 8..15 (g odd) and the other register of its B pair is zero: output column 2h accumulates head h's
+// rows 0..7 of each tile, column 2h + 1 its rows 8..15, under the head's one running max, and the
+// CTA's combine adds the two columns. docs/fp2-kernel.md, "Head per lane".
 constexpr int KS8 = D / 32;  // k32 steps
 constexpr int WPJ = D / 64;  // words per lane per token row (one per pair of k32 steps)
 constexpr int NTERM = kPairTerms ? 1 : 2;  // IMMAs per k32 step
 constexpr int kScoreMagic = 0x4B400000;    // the bits of 1.5 * 2^23 (kPairTerms accumulators start there)
 struct KeyOps {
-  uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (or the lane's column's term)][b0, b1]
+  uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (kPairTerms: the lane's column's term)][b0, b1]
   uint32_t table;              // f L0..L3 as int8, bytes 0..3
-  uint32_t term;               // half2: 128 for lanes summing hi terms (kPairTerms, t < 2), else 1 (kLaneHead: unused)
 };
-// The key scales of one token row (its NBK blocks) as fp32, times the lane's term (a power of two
-// <= 2^7: exact, and E4M3 * 2^7 <= 57344 stays inside fp16).
-ZD_DEVICE void key_scales(const uint8_t* row, uint32_t term, float (&sc)[NBK]) {
+// The key scales of one token row (its NBK blocks) as fp32.
+ZD_DEVICE void key_scales(const uint8_t* row, float (&sc)[NBK]) {
   if constexpr (SCALE_FMT == kScaleE4M3 && NBK == 2) {
-    uint32_t h2 = scales_to_half2<kScaleE4M3>(*reinterpret_cast<const uint16_t*>(row));  // one load, one cvt
-    if constexpr (kPairTerms && !kLaneHead) h2 = h2_as_u32(__hmul2(u32_as_h2(h2), u32_as_h2(term)));
+    const uint32_t h2 = scales_to_half2<kScaleE4M3>(*reinterpret_cast<const uint16_t*>(row));  // one load, one cvt
     sc[0] = __low2float(u32_as_h2(h2));
     sc[1] = __high2float(u32_as_h2(h2));
   } else {
 #pragma unroll
-    for (int b = 0; b < NBK; ++b) {
-      sc[b] = scale_to_float<SCALE_FMT>(row[b]);
-      if constexpr (kPairTerms && !kLaneHead) sc[b] *= __low2float(u32_as_h2(term));
-    }
+    for (int b = 0; b < NBK; ++b) sc[b] = scale_to_float<SCALE_FMT>(row[b]);
   }
 }
 ZD_DEVICE int k8_channel(int ks, int kk) {
@@ -73,11 +60,10 @@ struct KeyOps {
 #endif
 
 struct Softmax {
-  float m[2], l[2];  // running max (log2 domain) and this lane's partial sum: score columns 2t, 2t+1
-                     // (heads 2t, 2t+1; with paired terms heads 2(t % 2), 2(t % 2) + 1; kLaneHead:
-                     // [0] only, head t)
+  float m[2], l[2];  // running max (log2 domain) and this lane's partial sum: heads 2t, 2t + 1
+                     // (kPairTerms: [0] only, head t)
 #if KEY_S8
-  float inv[2];  // per score column: 1 / (c_h * f * 128), turning the integer scores into log2 units
+  float inv[2];  // per head as m: 1 / (c_h * f * 128), turning the integer scores into log2 units
 #endif
 };
 
@@ -110,16 +96,18 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       for (int u = 0; u < NTERM; ++u)
         mma_s8(acc[b][u], a[0][j][o], a[1][j][o], a[0][j][o + 1], a[1][j][o + 1], key.qf[ks][u][0], key.qf[ks][u][1]);
     }
-    if constexpr (kLaneHead) {
+    // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
+    if constexpr (kPairTerms) {
       // c[2r], c[2r+1]: token row g + 8r, head t's hi and lo terms. Both started at kScoreMagic's
-      // bits, so read as fp32 they are F = 1.5 * 2^23 + the partial, exactly (see below). Per block,
-      // F_hi * 128 - 129 * 1.5 * 2^23 = 128 hi - 1.5 * 2^23 exactly (a multiple of 128 below 2^28:
-      // <= 21 significant bits; both constants are exact), and adding F_lo gives 128 hi + lo, rounded
-      // once (|.| < 2^27, as the two-term path below); then times the block's scale.
+      // bits, so read as fp32 they are F = 1.5 * 2^23 + the partial, exactly (|partial| < 2^20 <
+      // 2^22). Per block, F_hi * 128 - 129 * 1.5 * 2^23 = 128 hi - 1.5 * 2^23 exactly (a multiple of
+      // 128 below 2^28: <= 21 significant bits; both constants are exact), and adding F_lo gives
+      // 128 hi + lo, rounded once (|.| < 2^27, as the two-IMMA path below), with no int-to-float
+      // conversion on the ALU pipe; then times the block's scale.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sc[NBK];
-        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
+        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, sc);
         float v = 0.f;
 #pragma unroll
         for (int b = 0; b < NBK; ++b) {
@@ -132,42 +120,21 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
       for (int r = 0; r < 2; ++r) {  // c[2r], c[2r+1]: token row g + 8r, score columns 2t, 2t+1
         float sc[NBK];
-        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, key.term, sc);
-        // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
-        if constexpr (kPairTerms) {
-          // The accumulators started at kScoreMagic's bits, so each is, read as fp32, exactly
-          // 1.5 * 2^23 + the lane's partial (|partial| < 2^20 < 2^22): F * sc - 1.5 * 2^23 * sc is
-          // the partial times the scale, rounded once (no int-to-float conversion on the ALU pipe).
-          float msc[NBK];
+        key_scales(st->ks + (tok_of_row(g) + 16 * i + kRowStep8 * r) * NBK, sc);
 #pragma unroll
-          for (int b = 0; b < NBK; ++b) msc[b] = -12582912.f * sc[b];  // exact: sc has <= 8 significant bits
+        for (int h = 0; h < 2; ++h) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float v = fmaf(__int_as_float(acc[0][0][2 * r + h]), sc[0], msc[0]);
-#pragma unroll
-            for (int b = 1; b < NBK; ++b) v += fmaf(__int_as_float(acc[b][0][2 * r + h]), sc[b], msc[b]);
-            sacc[i][2 * r + h] = v;
-          }
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int b = 0; b < NBK; ++b) {
-              // hi * 128 + lo: |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
-              const float v = float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
-              sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
-            }
+          for (int b = 0; b < NBK; ++b) {
+            // hi * 128 + lo: |.| < 2^27, exact in int32 and rounded once to fp32 (2^-24 relative)
+            const float v = float(acc[b][0][2 * r + h] * 128 + acc[b][NTERM - 1][2 * r + h]);
+            sacc[i][2 * r + h] = b ? fmaf(v, sc[b], sacc[i][2 * r + h]) : v * sc[b];
           }
         }
       }
     }
-    if constexpr (kPairTerms && !kLaneHead) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sacc[i][c] += __shfl_xor_sync(0xffffffffu, sacc[i][c], 2);  // hi + lo
-    }
     if constexpr (PARTIAL) {
       const int tok0 = tok_of_row(g) + 16 * i, tok1 = tok0 + kRowStep8;
-      if constexpr (kLaneHead) {  // sacc[i][r]: token row g + 8r
+      if constexpr (kPairTerms) {  // sacc[i][r]: token row g + 8r
         if (!((valid >> tok0) & 1u)) sacc[i][0] = ZD_NEG_INF;
         if (!((valid >> tok1) & 1u)) sacc[i][1] = ZD_NEG_INF;
       } else {
@@ -211,7 +178,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   }
 #endif
 
-  // ---- online softmax (per head: lanes with equal t hold the same two heads) --------------------
+  // ---- online softmax (per head: lanes with equal t hold the same heads) -------------------------
   // Lazy rescaling: the running max m only has to bound the scores well enough that 2^(s - m)
   // stays small in fp16 (P) and fp32 (sums), not to be the exact max. While no score of the stage
   // exceeds m + kRescaleSlack (one vote, no shuffles), m is kept and nothing is rescaled; the
@@ -227,11 +194,11 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   constexpr float u[2] = {1.f, 1.f};
 #endif
   // pb[i][h]: P^T of tile i at token rows 2t + 8h, 2t + 8h + 1 of column g (the output MMA's B
-  // registers). kLaneHead: one register holds rows 8 (g % 2) + 2t, + 1 of head g / 2 (both entries;
+  // registers). kPairTerms: one register holds rows 8 (g % 2) + 2t, + 1 of head g / 2 (both entries;
   // the output MMA's B pair is it and a zero, by g % 2, below).
   uint32_t pb[NT][2];
   static_assert(NT == 2, "two tiles a stage");
-  if constexpr (kLaneHead) {
+  if constexpr (kPairTerms) {
     float mx = fmaxf(fmaxf(sacc[0][0], sacc[0][1]), fmaxf(sacc[1][0], sacc[1][1]));
     // The first stage always votes (m = -inf); a stage always holds a valid token, so m is finite
     // from then on.
@@ -326,13 +293,13 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       }
     }
   };
-  // kLaneHead: the B pair of the output MMA is (x, 0) for even g, (0, x) for odd g: x times the
+  // kPairTerms: the B pair of the output MMA is (x, 0) for even g, (0, x) for odd g: x times the
   // lane's half2 masks (1 or 0), HMUL2 on the FMA pipes rather than selects on the ALU pipe.
   const uint32_t keep0 = (g & 1) ? 0u : 0x3c003c00u, keep1 = 0x3c003c00u ^ keep0;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     uint32_t pv[NBV][2];
-    if constexpr (kLaneHead) {
+    if constexpr (kPairTerms) {
       // x holds quad t's tokens 2 (g % 2), 2 (g % 2) + 1: only their scales are read and converted.
       const int hs = g & 1;
       const uint8_t* pair = st->vs + 4 * NBV * t + 16 * NBV * i + 2 * NBV * hs;  // token 2 hs, then 2 hs + 1
@@ -398,8 +365,8 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
   // ---- out^T += V^T P^T ----------------------------------------------------------------------
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    uint32_t pt[2];  // P^T of tile i (kLaneHead: the lane's register and a zero, by g % 2)
-    if constexpr (kLaneHead) {
+    uint32_t pt[2];  // P^T of tile i (kPairTerms: the lane's register and a zero, by g % 2)
+    if constexpr (kPairTerms) {
       const uint32_t keep0 = (g & 1) ? 0u : 0x3c003c00u, keep1 = 0x3c003c00u ^ keep0;
       pt[0] = h2_as_u32(__hmul2(u32_as_h2(pb[i][0]), u32_as_h2(keep0)));
       pt[1] = h2_as_u32(__hmul2(u32_as_h2(pb[i][0]), u32_as_h2(keep1)));
