@@ -5,14 +5,13 @@
     zerodram bench sass ...
 
 Compiles `attn_fp2_decode` through the package's own JIT (NVRTC, the cubin that runs), and counts
-the steady walk of its main loop with `zerodram.kernels.sass.census`, per warp stage (the walk
-computes STAGES stages, one unrolled run of the ring; its commit groups count them), so the count
-per 8192 K/V elements (32 tokens x D 128 x K and V) is the one Nsight Compute
+the steady walk of its main loop with `zerodram.kernels.sass.census`: one iteration is one warp's
+stage, so the count per 8192 K/V elements (32 tokens x D 128 x K and V) is the one Nsight Compute
 measures per stage (docs/fp2-kernel.md, "Static counts", for how far the two agree). Columns: the
 walk's instructions, those per 8192 K/V elements, the ALU pipe's share (LOP3, PRMT, SHF, I2FP,
 FMNMX, F2FP: one warp instruction per two cycles, docs/fp2-kernel.md, "Issue costs"), MMAs,
-shared-memory loads, copies, the shortest and longest walks round the loop (whole: a walk holds one
-stage or a run of STAGES), ptxas's fixed stall cycles along the stage (the schedule, not only the count), registers and spilled loads and stores.
+shared-memory loads, copies, the shortest and longest walks round the loop, ptxas's fixed stall
+cycles along the stage (the schedule, not only the count), registers and spilled loads and stores.
 A count, not a time: a change that lowers it still needs `bench attention` on a GPU, and the first
 config is the baseline the others are read against. `--nvrtc` counts what another NVRTC builds:
 the H200's 13.0 builds other code than newer ones (docs/fp2-kernel.md, "The schedule, not only the
@@ -24,11 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 from zerodram.kernels.sass import MMA_OPS as MMA
-from zerodram.kernels.sass import SassError
 
 ALU_PIPE = ("LOP3", "PRMT", "SHF", "I2FP", "FMNMX", "F2FP")  # measured at half the issue rate
 SHARED_LOADS = ("LDS", "LDSM")
@@ -61,15 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Row:
     config: str
-    per_stage: float  # one warp's stage: the loop's steady walk over the stages it holds
+    per_stage: int  # one warp's stage
     per_8192: float  # per 8192 K/V elements
-    alu_pipe: float
-    mma: float
-    shared_loads: float
-    copies: float
-    shortest: int  # the shortest and longest walks round the loop, whole (one stage or a run of them)
+    alu_pipe: int
+    mma: int
+    shared_loads: int
+    copies: int
+    shortest: int
     longest: int
-    stall_cycles: float  # ptxas's fixed stall cycles along the walk (kernels/sass.py), per stage
+    stall_cycles: int  # ptxas's fixed stall cycles along the stage (kernels/sass.py)
     registers: int
     spills: int
 
@@ -99,27 +96,12 @@ def census_row(name: str, cfg, elements_per_stage: int):
     kernel = "attn_fp2_decode"
     k = census(compile_cubin(kernel, cfg.build_options(kernel)), kernel)
     loop = k.main_loop()
-    n = stages_per_iteration(loop)
-
-    def per(x: int) -> float:
-        return round(x / n, 1)
-
     row = Row(
-        name, per(loop.per_iteration), round(loop.per_iteration / n * 8192 / elements_per_stage, 1),
-        per(loop.count(ALU_PIPE)), per(loop.count(MMA)), per(loop.count(SHARED_LOADS)), per(loop.count(COPY_OPS)),
-        loop.shortest, loop.longest, per(loop.stall_cycles), k.registers, k.local_memory_ops(),
+        name, loop.per_iteration, round(loop.per_iteration * 8192 / elements_per_stage, 1), loop.count(ALU_PIPE),
+        loop.count(MMA), loop.count(SHARED_LOADS), loop.count(COPY_OPS), loop.shortest, loop.longest,
+        loop.stall_cycles, k.registers, k.local_memory_ops(),
     )
-    return row, Counter({op: c / n for op, c in loop.steady.items()})
-
-
-def stages_per_iteration(loop) -> int:
-    """Stages one walk round the decode's main loop computes: its cp.async commit groups
-    (LDGDEPBAR), one per stage, empty ones too. The ring's unrolled runs put STAGES stages in one
-    iteration (docs/fp2-kernel.md, "The ring unrolled by its slots")."""
-    n = loop.count(("LDGDEPBAR",))
-    if n < 1:
-        raise SassError("the decode's main loop commits no cp.async group: not the stage loop")
-    return n
+    return row, loop.steady
 
 
 def load_nvrtc(libdir: str) -> str:
@@ -170,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
           + (f"; NVRTC {nvrtc} from {args.nvrtc}" if nvrtc else ""))
     if args.opcodes:
         for row, steady in results:
-            print(f"\n{row.config}: " + ", ".join(f"{op} {n:g}" for op, n in steady.most_common()))
+            print(f"\n{row.config}: " + ", ".join(f"{op} {n}" for op, n in steady.most_common()))
     return 0
 
 

@@ -36,16 +36,13 @@ class Fp2KernelConfig:
     scale_dtype: str = "e4m3"
     num_warps: int = 4
     stages: int = 4
-    min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (caps them; may spill)
+    min_blocks: int = 1  # CTAs per SM the decode kernel's registers must allow (may spill)
     key_s8: bool = False  # keys through int8 MMAs (k_block >= 64); Fp2DecodeAttention picks it by default
     v_quad: bool = False  # value pages in the quad layout, value scales on P (v_block >= 16)
-    # The decode kernel's register cap (`__maxnreg__`, a hard cap: -maxrregcount beside the kernel's
-    # __launch_bounds__ was only a hint, which ptxas passed in the token layout): 168 keeps three
-    # CTAs of 128 threads on an SM, which the split plan counts on. With the ring unrolled by its
-    # slots, ptxas left alone takes 179 registers (two CTAs an SM); without any cap (NVRTC / nvcc
-    # 13.0) it once squeezed the kernel to ~120 registers by recomputing every lane's shared-memory
-    # offsets each stage. docs/fp2-kernel.md, "The ring unrolled by its slots".
-    max_registers: int = 168
+    # The decode kernel's register cap, passed to ptxas explicitly: without one (NVRTC / nvcc 13.0)
+    # ptxas squeezed the kernel to ~117-128 registers by recomputing every lane's shared-memory
+    # offsets each stage (674 instructions in the main loop against 564 with a cap of 255).
+    max_registers: int = 255
     # ptxas's --register-usage-level (0..10, its default 5): how freely it may spend registers to
     # schedule. At 6..10 the device's NVRTC 13.0 gives the decode's main loop 159 registers (3 CTAs
     # per SM still fit) and a schedule with 829 fixed stall cycles a stage against 896 at 5, the same
@@ -69,18 +66,11 @@ class Fp2KernelConfig:
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype],
             "NUM_WARPS": self.num_warps,
             "STAGES": self.stages,
-            "MAX_REGS": self.register_cap,
+            "MIN_BLOCKS": self.min_blocks,
             "KEY_S8": int(self.key_s8),
             "V_QUAD": int(self.v_quad),
             "TIMELINE": int(self.timeline),
         }
-
-    @property
-    def register_cap(self) -> int:
-        """The decode kernel's registers per thread: `max_registers`, lowered where `min_blocks` CTAs
-        of its threads would not fit an SM's 65536 registers (allocated in steps of 8)."""
-        fit = 65536 // (self.min_blocks * 32 * self.num_warps) // 8 * 8
-        return min(self.max_registers, fit, 255)
 
     @property
     def write_warps_per_block(self) -> int:
@@ -97,7 +87,7 @@ class Fp2KernelConfig:
         d = self.defines() | {"SEARCH_WARPS": search_warps or self.write_warps_per_block}
         extra = ("-lineinfo",)
         if kernel == "attn_fp2_decode":
-            extra += (f"-Xptxas=--register-usage-level={self.register_usage}",)
+            extra += (f"-maxrregcount={self.max_registers}", f"-Xptxas=--register-usage-level={self.register_usage}")
         return BuildOptions.make(arch="sm_90", defines={k: d[k] for k in keep}, extra=extra)
 
     @property

@@ -56,10 +56,8 @@
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout, value scales folded into P (docs/fp2-kernel.md)
 #endif
-#ifndef MAX_REGS
-// Registers per thread, ptxas's hard cap (__maxnreg__): 168 lets three CTAs of 128 threads share an
-// SM, the occupancy the split plan counts on (kernels/attention.py, Fp2KernelConfig.max_registers).
-#define MAX_REGS 168
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // CTAs per SM the register allocation must allow (__launch_bounds__)
 #endif
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
@@ -122,7 +120,7 @@ ZD_DEVICE unsigned long long sm_id() {
 // grid ((S + 1) * Hkv * B) in one dimension, the FP2 CTAs first: CTA i < S * Hkv * B is split
 // i % S of row i / S (row = b * Hkv + kvh), the rest are the rows' bf16 CTAs. CTAs start in index
 // order, so the short bf16 CTAs take the slots the splits leave and never delay a split.
-extern "C" __global__ void __maxnreg__(MAX_REGS)
+extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     attn_fp2_decode(const float* __restrict__ q, float q_scale, const uint32_t* __restrict__ k_codes,
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
                     const uint8_t* __restrict__ v_scales, const float* __restrict__ levels,
@@ -323,9 +321,8 @@ extern "C" __global__ void __maxnreg__(MAX_REGS)
   const uint32_t* vc_lane = pinned(v_codes + 4 * lane);
   const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
   const uint8_t* vs_lane = pinned(v_scales + 16 * lane);
-  // j < 32 (c + 1) for the current chunk c: its row is in rows_cur, else in rows_next.
-  auto issue = [&](uint32_t j, uint32_t slot, uint32_t chunk_end) {
-    const uint32_t row = __shfl_sync(0xffffffffu, j < chunk_end ? rows_cur : rows_next, j & 31);
+  auto issue = [&](uint32_t j, uint32_t slot) {
+    const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, j & 31);
     load_stage(j < my_stages, ring_addr + slot * uint32_t(sizeof(Stage)), lane, plan, kc_lane + size_t(row) * WPR,
                vc_lane + size_t(row) * WPR, ks_lane + size_t(row) * NBK, vs_lane + size_t(row) * NBV);
     cp_async_commit();  // empty groups keep the wait count uniform
@@ -338,51 +335,29 @@ extern "C" __global__ void __maxnreg__(MAX_REGS)
   // A stage is full (no token outside [lo, r_hi)) iff its first token f0 has 0 <= f0 - lo <=
   // r_hi - TOK - lo: one unsigned compare against full_n (0: no full stage).
   const uint32_t full_n = uint32_t(max(r_hi - TOK - lo + 1, 0));
-  auto first_token = [&](uint32_t k) { return r_lo + int(warp + k * NUM_WARPS) * TOK; };
-  auto is_full = [&](uint32_t k) { return uint32_t(first_token(k) - lo) < full_n; };
-  // One step of the ring: wait for local stage k (in ring slot `slot` = k % STAGES), issue stage
-  // k + STAGES - 1 into the slot stage k - 1 freed, compute stage k (`whole`: the caller checked
-  // that it is full). The unrolled runs below call it with constant slots, so that every
-  // shared-memory address of the step is a register fixed for the CTA plus an immediate; a
-  // run-time slot costs an add per address (~20 instructions a stage).
-  auto step = [&](uint32_t k, uint32_t slot, uint32_t chunk_end, bool whole) {
-    cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
-    __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
-    if (k == 0) ZD_STAMP(1, globaltimer());
-    issue(k + STAGES - 1, (slot + STAGES - 1) % STAGES, chunk_end);
-    const Stage* st = ring + slot;
-    if (whole || is_full(k)) {
-      compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
-    } else {
-      const int f0 = first_token(k);
-      const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
-      const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
-      compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
-    }
-  };
-  // The prologue fills slots 0 .. STAGES - 2 from chunk 0; then stage k is computed while stage
-  // k + STAGES - 1 is issued. The loop runs in pieces of 32 stages, piece c computing stages
-  // [32c, 32c + 32) with the pool rows of chunk c (rows_cur) and c + 1 (rows_next) at hand, so the
-  // row chunks advance between pieces rather than by a test at every stage. Inside a piece, runs of
-  // STAGES full stages starting at a multiple of STAGES go through STAGES copies of the step, one
-  // per ring slot; the rest (a split's partial first or last stage, the stages past the last whole
-  // run) through the run-time-slot step.
+  // Local stage k sits in ring slot k % STAGES. The prologue fills slots 0 .. STAGES - 2 from chunk
+  // 0; then stage k is computed while stage k + STAGES - 1 is issued. The loop runs in pieces: piece
+  // c computes the stages whose issue falls in chunk c (k + STAGES - 1 < 32 (c + 1)), so the row
+  // chunks advance between pieces rather than by a test at every stage.
   static_assert(STAGES <= 32, "the prologue stays inside the first row chunk");
 #pragma unroll
-  for (uint32_t k = 0; k < STAGES - 1; ++k) issue(k, k, 32);
+  for (uint32_t k = 0; k < STAGES - 1; ++k) issue(k, k);
   uint32_t k = 0;
   for (uint32_t chunk_end = 32;; chunk_end += 32) {
-    const uint32_t piece_end = min(my_stages, chunk_end);
-    while (k < piece_end) {
-      if (k % STAGES == 0 && k + STAGES <= piece_end && is_full(k) && is_full(k + STAGES - 1)) {
-        // a run's first and last stages full: so are those between (a split's partial stages are
-        // its first and its last)
-#pragma unroll
-        for (uint32_t i = 0; i < STAGES; ++i) step(k + i, i, chunk_end, true);
-        k += STAGES;
+    const uint32_t piece_end = min(my_stages, chunk_end - (STAGES - 1));
+    for (; k < piece_end; ++k) {
+      cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
+      __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
+      if (k == 0) ZD_STAMP(1, globaltimer());
+      issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
+      const Stage* st = ring + k % STAGES;
+      const int f0 = r_lo + int(warp + k * NUM_WARPS) * TOK;
+      if (uint32_t(f0 - lo) < full_n) {
+        compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
       } else {
-        step(k, k % STAGES, chunk_end, false);
-        ++k;
+        const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
+        const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
+        compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
       }
     }
     if (k >= my_stages) break;
