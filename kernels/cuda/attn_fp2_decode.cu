@@ -372,17 +372,17 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     sm.l[0] += __shfl_xor_sync(0xffffffffu, sm.l[0], off);
-    sm.l[1] += __shfl_xor_sync(0xffffffffu, sm.l[1], off);
+    if constexpr (!kPairTerms) sm.l[1] += __shfl_xor_sync(0xffffffffu, sm.l[1], off);  // kPairTerms: one head a lane
   }
   __syncthreads();  // every warp is done with its ring: reuse the shared memory
   float* red_m = reinterpret_cast<float*>(smem_raw);  // [NUM_WARPS, 8]
   float* red_l = red_m + NUM_WARPS * 8;              // [NUM_WARPS, 8]
   float* red_o = red_l + NUM_WARPS * 8;              // [NUM_WARPS, 8, D]
-  if (g == 0) {  // kPairTerms: columns 2t and 2t + 1 are head t's, one (m, l) (the combine reads 2t's)
+  if (g == 0) {  // kPairTerms: columns 2t and 2t + 1 are head t's, one (m, l), kept at column 2t
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      red_m[warp * 8 + 2 * t + c] = sm.m[kPairTerms ? 0 : c];
-      red_l[warp * 8 + 2 * t + c] = sm.l[kPairTerms ? 0 : c];
+    for (int c = 0; c < (kPairTerms ? 1 : 2); ++c) {
+      red_m[warp * 8 + 2 * t + c] = sm.m[c];
+      red_l[warp * 8 + 2 * t + c] = sm.l[c];
     }
   }
 #pragma unroll
