@@ -32,12 +32,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
 
 
-def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
+def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[str, tuple[float, float, float]]:
     """(min, median, max) in microseconds of each mark and span over the CTAs' stamp rows
-    [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0] (ns, kernel layout)."""
+    [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0] (ns, kernel layout).
+    Given `num_splits`, with the stamps in grid order (split i % S of row i // S for i < S * rows,
+    then a bf16 CTA per row), the count apart from the merge: partial to finish of the CTAs that
+    only counted, and of each row's last CTA, which also merged."""
     t0 = min(r[0] for r in stamps)
     splits = [r for r in stamps if r[6] == SPLIT_WITH_WORK]
     bf16 = [r for r in stamps if r[6] == BF16_CTA]
+    merged: list[list[int]] = []
+    counted: list[list[int]] = []
+    if num_splits is not None:
+        fp2_ctas = len(stamps) // (num_splits + 1) * num_splits
+        by_row: dict[int, list[list[int]]] = {}
+        for i, r in enumerate(stamps):
+            if r[6] in (SPLIT_WITH_WORK, BF16_CTA):
+                by_row.setdefault(i // num_splits if i < fp2_ctas else i - fp2_ctas, []).append(r)
+        for ctas in by_row.values():
+            last = max(ctas, key=lambda r: r[4])
+            merged.append(last)
+            counted += [r for r in ctas if r is not last]
 
     def stats(values: list[float]) -> tuple[float, float, float]:
         v = sorted(values)
@@ -53,10 +68,14 @@ def summarize(stamps: list[list[int]]) -> dict[str, tuple[float, float, float]]:
         "span: main loop": [r[2] - r[1] for r in splits],
         "span: combine": [r[3] - r[2] for r in splits],
         "span: count and merge": [r[4] - r[3] for r in splits + bf16],
+        "span: count only": [r[4] - r[3] for r in counted],
+        "span: count, merge (last of row)": [r[4] - r[3] for r in merged],
         "bf16 start": [r[0] - t0 for r in bf16],
         "bf16 partial written": [r[3] - t0 for r in bf16],
         "last done": [max(r[4] for r in splits + bf16) - t0],
     }
+    if num_splits is None:
+        del rows["span: count only"], rows["span: count, merge (last of row)"]
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
@@ -101,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
             stamps, splits = _case(B, L, flush)
-            marks, sms = summarize(stamps), len({r[5] for r in stamps})
+            marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
             if args.raw:
                 with open(args.raw, "a") as f:  # [start, first stage, loop end, partial, finish, SM, kind, stages]
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")

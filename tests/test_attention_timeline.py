@@ -28,5 +28,22 @@ def test_summary_of_known_stamps() -> None:
     assert m["last done"][0] == 50 + 2 + 4 + 30 + 1 + 2
 
 
+def test_merge_apart_from_the_count() -> None:
+    """Two rows of two splits and a bf16 CTA each, in grid order; the CTA that finishes a row last
+    merged it: its span is the merge's, the others' the count's."""
+    mod = load_script("attention_timeline")
+    us = 1000
+
+    def cta(kind: int, partial: int, done: int) -> list[int]:
+        return [0, us, 2 * us, partial * us, done * us, 0, kind, 0]
+
+    # splits of row 0, of row 1, then the bf16 CTAs of rows 0 and 1; row 1's bf16 CTA merges
+    stamps = [cta(1, 10, 11), cta(1, 12, 19), cta(1, 10, 12), cta(1, 11, 12), cta(2, 5, 6), cta(2, 13, 20)]
+    m = mod.summarize(stamps, num_splits=2)
+    assert m["span: count, merge (last of row)"] == (7.0, 7.0, 7.0)  # 12 -> 19 and 13 -> 20
+    assert m["span: count only"] == (1.0, 1.0, 2.0)  # 1, 1, 2, 1
+    assert "span: count only" not in mod.summarize(stamps)
+
+
 def test_refuses_without_a_gpu() -> None:
     assert_refuses_without_gpu("attention-timeline")
