@@ -1,6 +1,6 @@
 """The decode kernel's main loop as ptxas compiled it: instructions per stage, without a GPU.
 
-    python benchmarks/sass_census.py [--json] [--configs default,fp16keys,token] [--opcodes]
+    python benchmarks/sass_census.py [--json] [--configs default,fp16keys,token] [--opcodes] [--walk]
                                      [--set FIELD=VALUE ...] [--nvrtc LIBDIR]
     zerodram bench sass ...
 
@@ -12,6 +12,7 @@ walk's instructions, those per 8192 K/V elements, the ALU pipe's share (LOP3, PR
 FMNMX, F2FP: one warp instruction per two cycles, docs/fp2-kernel.md, "Issue costs"), MMAs,
 shared-memory loads, copies, the shortest and longest walks round the loop, ptxas's fixed stall
 cycles along the stage (the schedule, not only the count), registers and spilled loads and stores.
+`--walk` lists the steady walk itself, instruction by instruction, to read what a stage spends.
 A count, not a time: a change that lowers it still needs `bench attention` on a GPU, and the first
 config is the baseline the others are read against. `--nvrtc` counts what another NVRTC builds:
 the H200's 13.0 builds other code than newer ones (docs/fp2-kernel.md, "The schedule, not only the
@@ -46,6 +47,7 @@ def configs() -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="default,fp16keys,token", help="comma separated, from: default, fp16keys, token")
     p.add_argument("--opcodes", action="store_true", help="also each config's steady walk by opcode")
+    p.add_argument("--walk", action="store_true", help="also each config's steady walk, instruction by instruction")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override an Fp2KernelConfig field in every config (max_registers=168, stages=5)")
     p.add_argument("--nvrtc", metavar="LIBDIR",
@@ -89,7 +91,7 @@ def override(cfg, assignments: list[str]):
 
 
 def census_row(name: str, cfg, elements_per_stage: int):
-    """(Row, steady-walk opcode counts) of one config's decode kernel."""
+    """(Row, the main loop) of one config's decode kernel."""
     from zerodram.kernels.jit import compile_cubin
     from zerodram.kernels.sass import COPY_OPS, census
 
@@ -101,7 +103,7 @@ def census_row(name: str, cfg, elements_per_stage: int):
         loop.count(MMA), loop.count(SHARED_LOADS), loop.count(COPY_OPS), loop.shortest, loop.longest,
         loop.stall_cycles, k.registers, k.local_memory_ops(),
     )
-    return row, loop.steady
+    return row, loop
 
 
 def load_nvrtc(libdir: str) -> str:
@@ -151,8 +153,13 @@ def run(args: argparse.Namespace) -> int:
     print("static counts of the main loop's steady walk, one warp's stage (kernels/sass.py); not a time"
           + (f"; NVRTC {nvrtc} from {args.nvrtc}" if nvrtc else ""))
     if args.opcodes:
-        for row, steady in results:
-            print(f"\n{row.config}: " + ", ".join(f"{op} {n}" for op, n in steady.most_common()))
+        for row, loop in results:
+            print(f"\n{row.config}: " + ", ".join(f"{op} {n}" for op, n in loop.steady.most_common()))
+    if args.walk:
+        for row, loop in results:
+            print(f"\n{row.config}: the steady walk ({row.per_stage} instructions; stall cycles after each)")
+            for i in loop.walk:
+                print(f"  {i.addr:#06x}  {i.stall:>2}  {i.text}")
     return 0
 
 

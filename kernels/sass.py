@@ -57,6 +57,7 @@ class Instr:
     predicated: bool
     target: str | None  # a branch's label
     stall: int = 0  # cycles the warp stalls after it (control bits; 0 where the listing has no encoding)
+    text: str = ""  # as nvdisasm wrote it, predicate and operands included
 
     @property
     def base(self) -> str:
@@ -91,6 +92,7 @@ class Loop:
     longest: int
     depth: int  # 0 for an outermost loop
     stall_cycles: int = 0  # the steady walk's fixed stall cycles (Instr.stall summed)
+    walk: tuple[Instr, ...] = ()  # the steady walk's instructions, in order
 
     @property
     def per_iteration(self) -> int:
@@ -196,7 +198,8 @@ def parse(sass: str, kernel: str) -> tuple[list[Instr], dict[str, int]]:
             predicated = pred is not None and pred.strip() not in ("@PT", "@UPT")
             if opcode.startswith("BRA") and not operands.lstrip().startswith("`"):
                 predicated = True  # "BRA P1, target", "BRA.DIV UR6, target": a condition of its own
-            instrs.append(Instr(int(addr, 16), opcode, predicated, target.group(1) if target else None))
+            text = " ".join(x for x in ((pred or "").strip(), opcode, operands.strip()) if x)
+            instrs.append(Instr(int(addr, 16), opcode, predicated, target.group(1) if target else None, text=text))
     if not instrs:
         raise SassError(f"no SASS for kernel {kernel!r} in the disassembly")
     return instrs, labels
@@ -288,12 +291,14 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
     loops = []
     for head, body in bodies.items():
         walk, shortest, longest = _walks(instrs, blocks, body, head, set(latches[head]), dom)
-        steady = Counter(instrs[i].opcode for b in walk for i in range(blocks[b].first, blocks[b].end))
-        stalls = sum(instrs[i].stall for b in walk for i in range(blocks[b].first, blocks[b].end))
+        walked = tuple(instrs[i] for b in walk for i in range(blocks[b].first, blocks[b].end))
+        steady = Counter(i.opcode for i in walked)
+        stalls = sum(i.stall for i in walked)
         depth = sum(1 for h, other in bodies.items() if h != head and body < other)
         last = blocks[max(body)]
         loops.append(
-            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth, stalls)
+            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth, stalls,
+                 walked)
         )
     loops.sort(key=lambda lp: (lp.depth, lp.head_addr))
     return KernelSass(kernel, num_registers, tuple(instrs), tuple(blocks), tuple(loops), tuple(indirect))

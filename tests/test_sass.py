@@ -65,6 +65,10 @@ def test_loops_and_walks_of_a_known_listing():
     assert outer.longest == 2 + 2 + 1 + 5 + 1 + 2 + 2 + 1  # partial stage and the divergence stub
     assert inner.per_iteration == inner.shortest == inner.longest == 2
     assert k.indirect == ()
+    # the walk itself, in order, as the listing wrote it
+    assert len(outer.walk) == outer.per_iteration
+    assert [i.text for i in outer.walk[:3]] == ["DEPBAR.LE SB0, 0x2", "@P0 BRA `(.L_x_1)", _LISTING[5]]
+    assert outer.walk[-1].text == "@P3 BRA `(.L_x_0)"
 
 
 def test_stall_cycles_are_summed_along_the_steady_walk():
@@ -140,6 +144,14 @@ def test_bench_sass_prints_a_json_line_per_config():
     rows = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["config"] for r in rows] == ["default", "token"]
     assert all(r["bench"] == "sass_census" and r["per_8192"] == r["per_stage"] for r in rows)
+
+
+def test_bench_sass_lists_the_steady_walk():
+    run = run_bench(["sass", "--configs", "default", "--walk"])
+    assert run.returncode == 0, run.stderr
+    per_stage = int(run.stdout.splitlines()[1].split()[1])
+    listed = run.stdout.split("the steady walk", 1)[1].splitlines()[1:]
+    assert len(listed) == per_stage and any("IMMA" in line for line in listed)
 
 
 def test_bench_sass_names_an_unknown_config():
