@@ -79,24 +79,32 @@ class Loop:
     """One natural loop (its head and the blocks that reach its back edges), counted by three walks
     from the head round to a back edge (inner loops taken once).
 
-    `steady` is the walk that issues the most copy instructions (`COPY_OPS`) and, among those, the
-    fewest instructions: a pipelined kernel's steady-state iteration, which copies a stage ahead
-    and takes none of its rare branches (a rescale, a partial stage). `shortest` and `longest`
-    bound every other walk.
+    `walk` is the steady walk: the one that issues the most copy instructions (`COPY_OPS`) and,
+    among those, the fewest instructions: a pipelined kernel's steady-state iteration, which copies
+    a stage ahead and takes none of its rare branches (a rescale, a partial stage). `shortest` and
+    `longest` bound every other walk.
     """
 
     head_addr: int
     end_addr: int  # address of the loop's last instruction
-    steady: Counter[str]  # opcode -> count along the steady walk
+    walk: tuple[Instr, ...]  # the steady walk's instructions, in order
     shortest: int
     longest: int
     depth: int  # 0 for an outermost loop
-    stall_cycles: int = 0  # the steady walk's fixed stall cycles (Instr.stall summed)
-    walk: tuple[Instr, ...] = ()  # the steady walk's instructions, in order
+
+    @property
+    def steady(self) -> Counter[str]:
+        """Opcode -> count along the steady walk."""
+        return Counter(i.opcode for i in self.walk)
+
+    @property
+    def stall_cycles(self) -> int:
+        """The steady walk's fixed stall cycles (Instr.stall summed)."""
+        return sum(i.stall for i in self.walk)
 
     @property
     def per_iteration(self) -> int:
-        return sum(self.steady.values())
+        return len(self.walk)
 
     def count(self, bases: tuple[str, ...]) -> int:
         """Instructions of the steady walk whose opcode (before its first dot) is one of `bases`."""
@@ -292,14 +300,9 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
     for head, body in bodies.items():
         walk, shortest, longest = _walks(instrs, blocks, body, head, set(latches[head]), dom)
         walked = tuple(instrs[i] for b in walk for i in range(blocks[b].first, blocks[b].end))
-        steady = Counter(i.opcode for i in walked)
-        stalls = sum(i.stall for i in walked)
         depth = sum(1 for h, other in bodies.items() if h != head and body < other)
         last = blocks[max(body)]
-        loops.append(
-            Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, steady, shortest, longest, depth, stalls,
-                 walked)
-        )
+        loops.append(Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, walked, shortest, longest, depth))
     loops.sort(key=lambda lp: (lp.depth, lp.head_addr))
     return KernelSass(kernel, num_registers, tuple(instrs), tuple(blocks), tuple(loops), tuple(indirect))
 
