@@ -74,16 +74,15 @@ def test_selector_halves_pass_through_hi16_bit_for_bit() -> None:
 
 
 def test_int8_partials_read_as_fp32_through_the_magic_start() -> None:
-    """With paired query terms the IMMA accumulators start at the bits of 1.5 * 2^23 (kScoreMagic in
-    attn_fp2_decode_compute.cuh): read as fp32 they are 1.5 * 2^23 + partial exactly while
-    |partial| < 2^22 (the kernel's are < 2^20: 64 channels x |q| <= 64 x |k| <= 127). A lane holds
-    its head's hi and lo partials; fmaf(F_hi, 128, -129 * 1.5 * 2^23) is 128 hi - 1.5 * 2^23 exactly
-    (one FMA of exact operands: the rounding of an exact result), and adding F_lo gives
-    fp32(128 hi + lo), one rounding, as the kernel's docs say."""
+    """With paired query terms the IMMA accumulators start at the bits of M = 1.5 * 2^23 (kScoreMagic
+    in attn_fp2_decode_compute.cuh): read as fp32 they are M + partial exactly while |partial| <
+    2^22 (the kernel's are < 2^20: 64 channels x |q| <= 64 x |k| <= 127). A lane holds its head's hi
+    and lo partials; F_hi - 12681216 (M + M / 128) is hi - M / 128 exactly, and one fma with 128 and
+    F_lo gives fp32(128 hi + lo), one rounding, as the kernel's docs say."""
     import numpy as np
 
-    magic, const = 0x4B400000, np.float32(-1623195648.0)
-    assert float(const) == -129 * 1.5 * 2**23  # exact in fp32
+    magic, const = 0x4B400000, np.float32(12681216.0)
+    assert float(const) == 1.5 * 2**23 * (1 + 1 / 128)  # exact in fp32
     rng = np.random.default_rng(4)
     edges = [0, 1, -1, 2**20 - 1, -(2**20), 2**22 - 1, -(2**22), 123457, -98765]
     hi = np.array(edges + list(rng.integers(-(2**22), 2**22, 20000)), dtype=np.int64)
@@ -91,10 +90,11 @@ def test_int8_partials_read_as_fp32_through_the_magic_start() -> None:
     as_f32 = lambda p: ((magic + p) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)  # noqa: E731
     f_hi, f_lo = as_f32(hi), as_f32(lo)
     assert (f_hi.astype(np.float64) == 1.5 * 2**23 + hi).all()
+    t = f_hi - const  # fp32 subtraction, exact
+    assert (t.astype(np.float64) == hi - 1.5 * 2**16).all()
     # an FMA: the exact product and sum (float64 holds them), rounded once to fp32
-    y = (f_hi.astype(np.float64) * 128 + float(const)).astype(np.float32)
-    assert (y.astype(np.float64) == 128 * hi - 1.5 * 2**23).all()
-    assert ((y + f_lo) == (128 * hi + lo).astype(np.float64).astype(np.float32)).all()
+    y = (t.astype(np.float64) * 128 + f_lo.astype(np.float64)).astype(np.float32)
+    assert (y == (128 * hi + lo).astype(np.float64).astype(np.float32)).all()
 
 
 def test_int8_key_levels() -> None:

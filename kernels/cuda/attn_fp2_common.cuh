@@ -102,6 +102,20 @@ ZD_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
+// The constant c as a value ptxas cannot rebuild, computed from `any` (a value the kernel loaded:
+// min(|any|, 1) * 0 is +0 whatever its bits, a NaN included, yet not a constant to ptxas). A loop
+// constant that an instruction can only take from a register (an IMMA's C operand, LOP3's second
+// constant) is otherwise rebuilt by a move every iteration; this one stays live across the loop,
+// at a register each.
+ZD_DEVICE uint32_t kept_constant(uint32_t c, float any) { return c | __float_as_uint(fminf(fabsf(any), 1.f) * 0.f); }
+
+// x, through an asm the compiler cannot see through: an operand it cannot fold or reassociate with
+// what is added to it later (pinned, below, does the same for a pointer).
+ZD_DEVICE uint32_t opaque(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
+
 // p, computed once and kept in a register: the compiler cannot see through the asm, so it neither
 // splits it back into uniform base + lane offset nor recomputes it inside a loop.
 template <typename T>
@@ -259,14 +273,14 @@ ZD_DEVICE void expand_word_f16(uint32_t w, uint32_t t01, uint32_t t23, uint32_t 
 // so the table is one register t = (hb(L0), hb(L1), hb(L2), hb(L3)) and a zero register supplies
 // the low bytes: selector nibbles (4, c0, 4, c1) give half2(L[c0], L[c1]). A byte 0b00cc0100 is
 // such a nibble pair, i.e. (w' & 0x30303030) | 0x04040404 with the codes moved to bits 4-5 of
-// each byte: one LOP3 per four codes and no multiply. Per word: 4 LOP3 + 8 PRMT + 1 SHF (ALU),
-// 2 IMAD.SHL, 4 HADD2.
-ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t (&out)[8]) {
+// each byte: one LOP3 per four codes and no multiply (`fours` is 0x04040404, in a register: LOP3
+// takes one immediate). Per word: 4 LOP3 + 8 PRMT + 1 SHF (ALU), 2 IMAD.SHL, 4 HADD2.
+ZD_DEVICE void expand_word_e5m2(uint32_t w, uint32_t t, uint32_t fours, uint32_t (&out)[8]) {
   // Code 4b+s sits at bits 8b+2s; bring it to 8b+4.
   const uint32_t ws[4] = {shl_fma<4>(w), shl_fma<2>(w), w, w >> 2};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    const uint32_t sel = and_or(ws[s], 0x30303030u, 0x04040404u);
+    const uint32_t sel = and_or(ws[s], 0x30303030u, fours);
     out[2 * s] = prmt(t, 0u, sel);
     out[2 * s + 1] = prmt(t, 0u, hi16(sel));
   }

@@ -189,7 +189,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  Stage* ring = reinterpret_cast<Stage*>(smem_raw) + warp * STAGES;
+  // The warp's ring at an offset the compiler cannot fold into the slot's (opaque): else NVVM
+  // writes the key loads' stage address as ring + slot and the other loads' as smem_raw + (warp *
+  // STAGES + slot) * sizeof(Stage), and ptxas computes both every stage.
+  Stage* ring = reinterpret_cast<Stage*>(smem_raw + opaque(warp * STAGES * uint32_t(sizeof(Stage))));
 
   float lv[8];  // 4 key levels, then 4 value levels
 #pragma unroll
@@ -285,6 +288,8 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
           key.qf[ks][NTERM - 1][hl] = wlo;
         }
       }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) key.magic[c] = kept_constant(kScoreMagic, lv[c]);  // an IMMA's C: a register quad
     key.table = s8_byte(lv[0] * f) | (s8_byte(lv[1] * f) << 8) | (s8_byte(lv[2] * f) << 16) |
                 (s8_byte(lv[3] * f) << 24);
 #else
@@ -303,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   }
   // Value levels as the high bytes of their fp16 (e5m2-exact by the format).
   const uint32_t vl01 = pack_half2(lv[4], lv[5]), vl23 = pack_half2(lv[6], lv[7]);
-  const uint32_t vlt = prmt(vl01, vl23, 0x7531);
+  const ValueOps val{prmt(vl01, vl23, 0x7531), kept_constant(0x04040404u, lv[4])};
 
   if (no_work) {  // the whole CTA: nothing above waits on another warp
     ZD_STAMP(6, 0);
@@ -319,7 +324,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const uint32_t ring_addr = smem_addr(ring);
   const uint32_t* kc_lane = pinned(k_codes + 4 * lane);
   const uint32_t* vc_lane = pinned(v_codes + 4 * lane);
-  const uint8_t* ks_lane = pinned(k_scales + 16 * lane);
+  // Equal scale rows (NBK == NBV): the lanes past the key scales' copy the value scales through
+  // ks_lane (load_stage: one copy instruction a lane for both runs).
+  constexpr int KSC = TOK * NBK / 16;  // lanes with a key scale chunk
+  const uint8_t* ks_lane = pinned(NBK == NBV && lane >= KSC ? v_scales + 16 * (lane - KSC) : k_scales + 16 * lane);
   const uint8_t* vs_lane = pinned(v_scales + 16 * lane);
   auto issue = [&](uint32_t j, uint32_t slot) {
     const uint32_t row = __shfl_sync(0xffffffffu, rows_cur, j & 31);
@@ -343,21 +351,24 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (uint32_t k = 0; k < STAGES - 1; ++k) issue(k, k);
   uint32_t k = 0;
+  // Local stage k's first token less lo (unsigned: below lo wraps past full_n), advanced with k
+  // rather than recomputed from it (three instructions a stage fewer).
+  uint32_t f0_lo = uint32_t(r_lo + warp * TOK - lo);
   for (uint32_t chunk_end = 32;; chunk_end += 32) {
     const uint32_t piece_end = min(my_stages, chunk_end - (STAGES - 1));
-    for (; k < piece_end; ++k) {
+    for (; k < piece_end; ++k, f0_lo += NUM_WARPS * TOK) {
       cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
       __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
       if (k == 0) ZD_STAMP(1, globaltimer());
       issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
       const Stage* st = ring + k % STAGES;
-      const int f0 = r_lo + int(warp + k * NUM_WARPS) * TOK;
-      if (uint32_t(f0 - lo) < full_n) {
-        compute_stage<false>(st, g, t, 0xffffffffu, key, vlt, sm, oacc);
+      if (f0_lo < full_n) {
+        compute_stage<false>(st, g, t, 0xffffffffu, key, val, sm, oacc);
       } else {
+        const int f0 = lo + int(f0_lo);
         const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
         const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
-        compute_stage<true>(st, g, t, valid, key, vlt, sm, oacc);
+        compute_stage<true>(st, g, t, valid, key, val, sm, oacc);
       }
     }
     if (k >= my_stages) break;

@@ -36,6 +36,7 @@ constexpr int kScoreMagic = 0x4B400000;    // the bits of 1.5 * 2^23 (kPairTerms
 struct KeyOps {
   uint32_t qf[KS8][NTERM][2];  // [k32 step][hi, lo (kPairTerms: the lane's column's term)][b0, b1]
   uint32_t table;              // f L0..L3 as int8, bytes 0..3
+  uint32_t magic[4];  // kScoreMagic (kept_constant): the C operand of each score chain's first IMMA
 };
 // The key scales of one token row (its NBK blocks) as fp32.
 ZD_DEVICE void key_scales(const uint8_t* row, float (&sc)[NBK]) {
@@ -67,8 +68,13 @@ struct Softmax {
 #endif
 };
 
+// The value side's loop constants: expand_word_e5m2's level table and its 0x04040404 (kept_constant).
+struct ValueOps {
+  uint32_t table, fours;
+};
+
 template <bool PARTIAL>
-ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, const KeyOps& key, uint32_t vlt,
+ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, const KeyOps& key, const ValueOps& val,
                              Softmax& sm, float (&oacc)[NKS][4]) {
   // ---- scores^T = K Q^T for NT tiles ------------------------------------------------------------
   float sacc[NT][4];
@@ -78,9 +84,9 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     uint32_t a[2][WPJ][4];  // [row half][word][register], expand_word_bytes' order
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int tok = tok_of_row(g) + 16 * i + kRowStep8 * r;
+      const int tok = tok_of_row(g) + kRowStep8 * r;  // in tile 0
 #pragma unroll
-      for (int j = 0; j < WPJ; ++j) expand_word_bytes(st->kc[k_word(tok, 4 * j + t)], key.table, a[r][j]);
+      for (int j = 0; j < WPJ; ++j) expand_word_bytes(*key_words(st, tok, 4 * j + t, i), key.table, a[r][j]);
     }
     int acc[NBK][NTERM][4];  // partial dot products per key scale block and query term
 #pragma unroll
@@ -88,7 +94,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
 #pragma unroll
       for (int u = 0; u < NTERM; ++u)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[b][u][c] = kPairTerms ? kScoreMagic : 0;
+        for (int c = 0; c < 4; ++c) acc[b][u][c] = kPairTerms ? int(key.magic[c]) : 0;
 #pragma unroll
     for (int ks = 0; ks < KS8; ++ks) {
       const int j = ks >> 1, o = 2 * (ks & 1), b = 64 * j / K_BLOCK;
@@ -99,11 +105,12 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
     // The column's 1 / (c f 128) is applied in the softmax (Softmax::inv).
     if constexpr (kPairTerms) {
       // c[2r], c[2r+1]: token row g + 8r, head t's hi and lo terms. Both started at kScoreMagic's
-      // bits, so read as fp32 they are F = 1.5 * 2^23 + the partial, exactly (|partial| < 2^20 <
-      // 2^22). Per block, F_hi * 128 - 129 * 1.5 * 2^23 = 128 hi - 1.5 * 2^23 exactly (a multiple of
-      // 128 below 2^28: <= 21 significant bits; both constants are exact), and adding F_lo gives
-      // 128 hi + lo, rounded once (|.| < 2^27, as the two-IMMA path below), with no int-to-float
-      // conversion on the ALU pipe; then times the block's scale.
+      // bits, so read as fp32 they are F = M + the partial, exactly (M = 1.5 * 2^23; |partial| <
+      // 2^20 < 2^22). Per block, F_hi - (M + M / 128) = hi - M / 128 exactly (an integer below 2^21;
+      // the constant, 12681216, is exact), and one fma with 128 and F_lo gives 128 hi - M + M + lo
+      // = 128 hi + lo, rounded once (|.| < 2^27, as the two-IMMA path below), with no int-to-float
+      // conversion on the ALU pipe and both constants immediates (a register constant is rebuilt
+      // every stage); then times the block's scale.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float sc[NBK];
@@ -111,7 +118,8 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
         float v = 0.f;
 #pragma unroll
         for (int b = 0; b < NBK; ++b) {
-          const float x = fmaf(__int_as_float(acc[b][0][2 * r]), 128.f, -1623195648.f) + __int_as_float(acc[b][0][2 * r + 1]);
+          const float hi = __int_as_float(acc[b][0][2 * r]) - 12681216.f;
+          const float x = fmaf(hi, 128.f, __int_as_float(acc[b][0][2 * r + 1]));
           v = b ? fmaf(x, sc[b], v) : x * sc[b];
         }
         sacc[i][r] = v;
@@ -154,7 +162,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       const __half2 s2 = u32_as_h2(scales_to_half2<SCALE_FMT>(sbyte * 0x0101u));
       const uint32_t t01 = h2_as_u32(__hmul2(u32_as_h2(key.kl01), s2));
       const uint32_t t23 = h2_as_u32(__hmul2(u32_as_h2(key.kl23), s2));
-      const uint32_t* row = st->kc + k_word(tok, t * WPL);  // WPL <= 2 words: one chunk
+      const uint32_t* row = key_words(st, tok - 16 * i, t * WPL, i);  // WPL <= 2 words: one chunk
 #pragma unroll
       for (int w = 0; w < WPL; ++w) {
         uint32_t e[8];
@@ -352,7 +360,7 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       // bytes 2-3 k pair (2t+8, 2t+9), and expand_word_e5m2 gives field f of bytes 0-1 at e[2f],
       // of bytes 2-3 at e[2f + 1]. Each word's two M-tiles are multiplied right after it is expanded.
       uint32_t e[8];
-      expand_word_e5m2(w[k], vlt, e);
+      expand_word_e5m2(w[k], val.table, val.fours, e);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int m = 2 * k + h;
@@ -391,16 +399,16 @@ ZD_DEVICE void compute_stage(const Stage* st, int g, int t, uint32_t valid, cons
       if constexpr (D == 128) {
         const uint32_t wa = st->vc[ta * WPR + g], wb = st->vc[tb * WPR + g];
         uint32_t e[8];
-        expand_word_e5m2(prmt(wa, wb, 0x5140), vlt, e);  // word channels 0..7
+        expand_word_e5m2(prmt(wa, wb, 0x5140), val.table, val.fours, e);  // word channels 0..7
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[pr][0][j] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
-        expand_word_e5m2(prmt(wa, wb, 0x7362), vlt, e);  // word channels 8..15
+        expand_word_e5m2(prmt(wa, wb, 0x7362), val.table, val.fours, e);  // word channels 8..15
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[pr][1][j] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
       } else {
         const uint32_t wa = st->vc[ta * WPR + (g >> 1)], wb = st->vc[tb * WPR + (g >> 1)];
         uint32_t e[8];
-        expand_word_e5m2(prmt(wa, wb, (g & 1) ? 0x7362 : 0x5140), vlt, e);
+        expand_word_e5m2(prmt(wa, wb, (g & 1) ? 0x7362 : 0x5140), val.table, val.fours, e);
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[pr][j & 1][j >> 1] = h2_as_u32(__hmul2(u32_as_h2(e[j]), s2));
       }

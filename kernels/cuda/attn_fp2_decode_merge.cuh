@@ -157,12 +157,13 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   __shared__ int last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
-    __threadfence();  // this CTA's partial before its count (release)
-    last = atomicAdd(row_done, 1) == n_run;
-    if (last) {
-      *row_done = 0;
-      __threadfence();  // the other CTAs' partials after their counts (acquire)
-    }
+    // Release: this CTA's partial (every thread's stores, ordered before by the barrier) before its
+    // count. Acquire: for the CTA that merges, the other CTAs' partials after their counts. One
+    // acq_rel atomic, not __threadfence's fence.sc (MEMBAR.SC and an L1 invalidation, twice).
+    int done;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(done) : "l"(row_done) : "memory");
+    last = done == n_run;
+    if (last) *row_done = 0;  // for the next launch (nothing else in this one reads it)
   }
   __syncthreads();
   if (!last) return;

@@ -59,7 +59,7 @@ ZD_DEVICE int tok_of_row(int r) {
 // those rows (4- and 8-byte loads alike) fall in distinct bank groups. (A lane-major run for int8
 // keys, conflict-free by construction and 8 instructions a stage shorter, measured 16% slower at
 // L = 128k: docs/fp2-kernel.md, "Stage addressing and the half softmax".)
-ZD_DEVICE int k_chunk(int c) {
+ZD_DEVICE constexpr int k_chunk(int c) {
   if constexpr (!V_QUAD) return c;
   if constexpr (D == 128) {
     const int x = (c >> 3) & 3;  // rows 4x..4x+3 of an 16-row tile: chunk XOR 0, 4, 1, 5
@@ -68,7 +68,26 @@ ZD_DEVICE int k_chunk(int c) {
   return c ^ (((c >> 3) & 1) << 1);  // D = 64: one chunk per row
 }
 // Shared-memory index of key code word w of stage token tok.
-ZD_DEVICE int k_word(int tok, int w) { return 4 * k_chunk(tok * (WPR / 4) + (w >> 2)) + (w & 3); }
+ZD_DEVICE constexpr int k_word(int tok, int w) { return 4 * k_chunk(tok * (WPR / 4) + (w >> 2)) + (w & 3); }
+// k_chunk permutes chunks only inside each 16 rows' chunks, by bits below those that number the
+// groups of 16 rows, so token tok + 16 i's words sit kTileWords * i after token tok's.
+constexpr int kTileWords = 16 * WPR;
+__device__ constexpr bool tiles_at_fixed_offsets() {
+  for (int tok = 0; tok < 16; ++tok)
+    for (int w = 0; w < WPR; ++w)
+      for (int i = 0; i < TOK / 16; ++i)
+        if (k_word(tok + 16 * i, w) != k_word(tok, w) + kTileWords * i) return false;
+  return true;
+}
+static_assert(tiles_at_fixed_offsets(), "key_words reaches tile i by a fixed offset");
+
+// Word w of stage token tok + 16 i in the key run (tok in the first 16 tokens): addressed in bytes
+// from tok's word, so that the compiler keeps one lane offset per (tok, w) across the loop and
+// reaches tile i by an immediate in the load (a word index scaled per load costs an IMAD each).
+ZD_DEVICE const uint32_t* key_words(const Stage* st, int tok, int w, int i) {
+  const char* run = reinterpret_cast<const char*>(st->kc);
+  return reinterpret_cast<const uint32_t*>(run + 4 * k_word(tok, w) + 4 * kTileWords * i);
+}
 
 // Row step of an MMA half-tile: score row g + 8 is token tok_of_row(g) + kRowStep8 (both orders).
 constexpr int kRowStep8 = V_QUAD ? 2 : 8;
@@ -76,7 +95,7 @@ constexpr int kRowStep8 = V_QUAD ? 2 : 8;
 // Shared-memory place of 16-byte chunk c of a stage's value run. V_QUAD: quad q's chunk k (lane
 // group g's words: k = g at D = 128, g / 2 at D = 64) moves to k ^ 2(q % 4) (D = 64: k ^ (q & 2)),
 // so that the lanes of one load phase, which read the same k of four quads, hit distinct banks.
-ZD_DEVICE int v_chunk(int c) {
+ZD_DEVICE constexpr int v_chunk(int c) {
   if constexpr (!V_QUAD) return c;
   constexpr int CPQ = D / 16;  // chunks per quad
   const int q = c / CPQ, k = c % CPQ;
@@ -101,34 +120,47 @@ constexpr int kCodeChunks = TOK * WPR / 4 / 32;  // 16-byte chunks of each code 
 static_assert(kOffVs + TOK * NBV == sizeof(Stage), "Stage layout");
 
 // Where a lane's copies land in a stage: chunks lane + 32x of the key and value code runs, placed by
-// k_chunk / v_chunk; fixed for the CTA.
+// k_chunk / v_chunk, and chunk `lane` of the scale runs; fixed for the CTA. Both permutations move
+// only the low bits of a chunk inside its own 32 chunks (k_chunk: bits 0-2 by bits 3-4; v_chunk:
+// a quad's chunks by the quad's index mod 4), so chunk lane + 32x lands 512x bytes after chunk
+// `lane`: one offset per run, and the other copies' places are immediates in the copy instruction.
+__device__ constexpr bool copies_at_fixed_offsets() {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int x = 0; x < kCodeChunks; ++x)
+      if (k_chunk(lane + 32 * x) != k_chunk(lane) + 32 * x || v_chunk(lane + 32 * x) != v_chunk(lane) + 32 * x)
+        return false;
+  return true;
+}
+static_assert(copies_at_fixed_offsets(), "load_stage places chunk lane + 32x by a fixed offset");
 struct CopyPlan {
-  uint32_t kc[kCodeChunks], vc[kCodeChunks];  // byte offsets in a Stage
+  uint32_t kc, vc;  // byte offsets in a Stage of chunk `lane` of the key and value code runs
 };
 ZD_DEVICE CopyPlan copy_plan(int lane) {
-  CopyPlan cp;
-#pragma unroll
-  for (int x = 0; x < kCodeChunks; ++x) {
-    cp.kc[x] = kOffKc + 16 * k_chunk(lane + 32 * x);
-    cp.vc[x] = kOffVc + 16 * v_chunk(lane + 32 * x);
-  }
-  return cp;
+  return CopyPlan{kOffKc + 16 * uint32_t(k_chunk(lane)), kOffVc + 16 * uint32_t(v_chunk(lane))};
 }
 
 // Fill one stage if `live`: 32 tokens of K and V codes plus their scales (a page holds whole
 // stages). `dst` is the stage's shared address; kc / vc point at the lane's first chunk (chunk
 // `lane`) of the stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes
-// that have one). The copies are predicated, not branched around: a branch costs the loop a
+// that have one; with NBK == NBV, ks at the lane's chunk of the two runs back to back). The copies are predicated, not branched around: a branch costs the loop a
 // reconvergence pair a stage.
 ZD_DEVICE void load_stage(bool live, uint32_t dst, int lane, const CopyPlan& cp, const uint32_t* kc,
                           const uint32_t* vc, const uint8_t* ks, const uint8_t* vs) {
+  const uint32_t k_dst = dst + cp.kc, v_dst = dst + cp.vc, s_dst = dst + 16 * lane;
 #pragma unroll
   for (int x = 0; x < kCodeChunks; ++x) {
-    cp_async16_if(live, dst + cp.kc[x], kc + 128 * x);  // chunk lane + 32x: 512 bytes further
-    cp_async16_if(live, dst + cp.vc[x], vc + 128 * x);
+    cp_async16_if(live, k_dst + 512 * x, kc + 128 * x);  // chunk lane + 32x: 512 bytes further
+    cp_async16_if(live, v_dst + 512 * x, vc + 128 * x);
   }
-  cp_async16_if(live && lane < TOK * NBK / 16, dst + kOffKs + 16 * lane, ks);
-  cp_async16_if(live && lane < TOK * NBV / 16, dst + kOffVs + 16 * lane, vs);
+  if constexpr (NBK == NBV) {
+    // One copy a lane: the first TOK NBK / 16 lanes a key scale chunk, the next as many a value
+    // scale chunk (the caller points their ks there), which lands right after the key run's end.
+    static_assert(kOffVs == kOffKs + TOK * NBK && 2 * (TOK * NBK / 16) <= 32, "scale runs in one copy");
+    cp_async16_if(live && lane < 2 * (TOK * NBK / 16), s_dst + kOffKs, ks);
+  } else {
+    cp_async16_if(live && lane < TOK * NBK / 16, s_dst + kOffKs, ks);
+    cp_async16_if(live && lane < TOK * NBV / 16, s_dst + kOffVs, vs);
+  }
 }
 
 }  // namespace
