@@ -177,6 +177,19 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   float* wts = smem;               // [G, n] the partials' m, then their weights
   float* ls = wts + GROUP * n;     // [G, n] the partials' l
   float* inv_l = ls + GROUP * n;   // [G]
+  // The first n_early partials' outputs, as many as the stage rings' memory holds after the above,
+  // start copying into shared memory now, beside the (m, l) round trip rather than after it: a thread
+  // per (head, 4 channels) copies its own columns, which it alone reads back (no barrier for them).
+  constexpr int kRingFloats = NUM_WARPS * STAGES * int(sizeof(Stage)) / 4;
+  const int early_at = (2 * GROUP * n + GROUP + 3) & ~3;  // floats: 16-byte aligned
+  float* early = smem + early_at;                         // [n_early, G * D]
+  const int n_early = max(0, min(n, (kRingFloats - early_at) / (GROUP * D)));
+  for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
+    const int h = item / (D / 4), c = 4 * (item % (D / 4));
+    for (int i = 0; i < n_early; ++i)
+      cp_async16(smem_addr(early + i * GROUP * D + 4 * item), rp.o_at(h, i < n_run ? i : num_splits) + c, 16);
+  }
+  cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int h = warp; h < GROUP; h += NUM_WARPS) {
     // One round trip for (m, l), kept in shared memory for the weights (each lane reads back only
@@ -202,14 +215,21 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
     if (lane == 0) inv_l[h] = l > 0.f ? 1.f / l : 0.f;  // a sequence with no token at all: zeros
   }
   __syncthreads();
-  // A thread per (head, 4 channels) walks the partials in chunks of kMergeChunk float4 loads, all
-  // of a chunk in flight whatever n is (predicated: a partial past n is not read and weighs 0; an
-  // unrolled loop over n would run a short row's partials through its remainder, one at a time).
+  cp_async_wait<0>();
+  // A thread per (head, 4 channels) sums the early partials from shared memory, then walks the
+  // rest in chunks of kMergeChunk float4 loads, all of a chunk in flight whatever n is (predicated:
+  // a partial past n is not read and weighs 0; an unrolled loop over n would run a short row's
+  // partials through its remainder, one at a time).
   constexpr int kMergeChunk = 16;
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = 0; i0 < n; i0 += kMergeChunk) {
+    for (int i = 0; i < n_early; ++i) {
+      const float w = wts[h * n + i];
+      const float4 p = *reinterpret_cast<const float4*>(early + i * GROUP * D + 4 * item);
+      acc.x = fmaf(w, p.x, acc.x), acc.y = fmaf(w, p.y, acc.y), acc.z = fmaf(w, p.z, acc.z), acc.w = fmaf(w, p.w, acc.w);
+    }
+    for (int i0 = n_early; i0 < n; i0 += kMergeChunk) {
       float4 p[kMergeChunk];
 #pragma unroll
       for (int j = 0; j < kMergeChunk; ++j) {
