@@ -142,8 +142,8 @@ ZD_DEVICE CopyPlan copy_plan(int lane) {
 // Fill one stage if `live`: 32 tokens of K and V codes plus their scales (a page holds whole
 // stages). `dst` is the stage's shared address; kc / vc point at the lane's first chunk (chunk
 // `lane`) of the stage's code runs, ks / vs at chunk `lane` of its scale runs (copied by the lanes
-// that have one; with NBK == NBV, ks at the lane's chunk of the two runs back to back). The copies are predicated, not branched around: a branch costs the loop a
-// reconvergence pair a stage.
+// that have one; with NBK == NBV, ks at the lane's chunk of the two runs back to back). The copies
+// are predicated, not branched around: a branch costs the loop a reconvergence pair a stage.
 ZD_DEVICE void load_stage(bool live, uint32_t dst, int lane, const CopyPlan& cp, const uint32_t* kc,
                           const uint32_t* vc, const uint8_t* ks, const uint8_t* vs) {
   const uint32_t k_dst = dst + cp.kc, v_dst = dst + cp.vc, s_dst = dst + 16 * lane;
