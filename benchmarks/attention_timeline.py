@@ -34,10 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[str, tuple[float, float, float]]:
     """(min, median, max) in microseconds of each mark and span over the CTAs' stamp rows
-    [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0] (ns, kernel layout).
+    [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0, count done, (m, l)
+    and early partials in, early partials summed, unused] (ns, kernel layout).
     Given `num_splits`, with the stamps in grid order (split i % S of row i // S for i < S * rows,
     then a bf16 CTA per row), the count apart from the merge: partial to finish of the CTAs that
-    only counted, and of each row's last CTA, which also merged."""
+    only counted, and of each row's last CTA, which also merged, with the parts of its merge."""
     t0 = min(r[0] for r in stamps)
     splits = [r for r in stamps if r[6] == SPLIT_WITH_WORK]
     bf16 = [r for r in stamps if r[6] == BF16_CTA]
@@ -74,8 +75,15 @@ def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[st
         "bf16 partial written": [r[3] - t0 for r in bf16],
         "last done": [max(r[4] for r in splits + bf16) - t0],
     }
+    rows |= {  # inside each row's merge (its last CTA), by the stamps finish_row makes
+        "merge: count": [r[8] - r[3] for r in merged],
+        "merge: (m, l), early partials landed": [r[9] - r[8] for r in merged],
+        "merge: early partials summed": [r[10] - r[9] for r in merged],
+        "merge: the other partials, out": [r[4] - r[10] for r in merged],
+    }
     if num_splits is None:
-        del rows["span: count only"], rows["span: count, merge (last of row)"]
+        for k in [k for k in rows if "(last of row)" in k or k.startswith("merge:")] + ["span: count only"]:
+            del rows[k]
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
@@ -122,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
             stamps, splits = _case(B, L, flush)
             marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
             if args.raw:
-                with open(args.raw, "a") as f:  # [start, first stage, loop end, partial, finish, SM, kind, stages]
+                with open(args.raw, "a") as f:  # rows as summarize() reads them
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
             print(f"\n# {name}, B = {B}, L = {L}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
+            width = max(map(len, marks))
             for k, (lo, mid, hi) in marks.items():
-                print(f"{k:>24} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
+                print(f"{k:>{width}} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
             if args.json:
                 print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks}))
     return 0

@@ -23,6 +23,7 @@ from zerodram.kernels.module import launch, load_module, num_sms, ptr
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
 HP_CHUNK = 64  # bf16 tokens the decode kernel's bf16 CTA stages at a time (kHpChunk)
+TIMELINE_COLS = 12  # stamps per CTA of a timeline build (kTimelineCols, attn_fp2_decode.cu)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Fp2Kernels:
 
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""
-        _ = self._decode, self._write, self._num_sms
+        _ = self._decode, self._write, self._num_sms, self.decode_launch_smem
 
     def decode_ctas_per_sm(self) -> int:
         """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
@@ -146,6 +147,22 @@ class Fp2Kernels:
         return int(
             occ.max_active_blocks_per_multiprocessor(32 * self.cfg.num_warps, self.cfg.decode_smem_bytes)
         )
+
+    @cached_property
+    def decode_launch_smem(self) -> int:
+        """Dynamic shared memory every decode launch gets: the most the launch path allows (48 KB less
+        the kernel's static shared memory, without raising the limit) that still keeps
+        `decode_ctas_per_sm()` CTAs on an SM. The kernel needs `decode_smem_bytes`; the merge copies as
+        many partials as the rest holds into it beside its (m, l) round trip
+        (attn_fp2_decode_merge.cuh), a round trip fewer per 16 partials past the ring's share at
+        B = 1, where the merge is on the critical path (docs/fp2-kernel.md)."""
+        occ, threads, need = self._decode.occupancy, 32 * self.cfg.num_warps, self.cfg.decode_smem_bytes
+        top = min(48 * 1024, self._decode.attributes.max_dynamic_shared_size_bytes)
+        ctas = self.decode_ctas_per_sm()
+        for smem in range(top, need, -1024):  # the largest that keeps the occupancy
+            if occ.max_active_blocks_per_multiprocessor(threads, smem) >= ctas:
+                return smem
+        return need
 
     def decode(
         self,
@@ -169,17 +186,17 @@ class Fp2Kernels:
         hp_slot: torch.Tensor,  # [B] int32 row of hp_k / hp_v
         row_done: torch.Tensor,  # [>= B * Hkv] int32, zero between launches (the kernel resets it)
         out: torch.Tensor,  # [B, Hq, D] fp32, normalised
-        timeline: torch.Tensor | None = None,  # [>= grid, 8] int64: with cfg.timeline, the CTAs' stamps
+        timeline: torch.Tensor | None = None,  # [>= grid, TIMELINE_COLS] int64: with cfg.timeline, the CTAs' stamps
         pending: PendingAppend | None = None,  # the step's write, made after this call: its tokens
     ) -> None:
         B, Hkv = q.shape[0], k_codes.shape[1]
         S = o_part.shape[2]
-        smem = max(self.cfg.decode_smem_bytes, self.cfg.merge_smem_bytes(S))
+        smem = max(self.decode_launch_smem, self.cfg.merge_smem_bytes(S))
         if num_splits >= S or smem > 48 * 1024:
             raise ValueError(f"{num_splits} splits need {num_splits + 1} workspace slots and {smem} B of shared memory; have {S}, 48 KB")
         grid = (num_splits + 1) * Hkv * B
         if self.cfg.timeline and (timeline is None or timeline.shape[0] < grid):
-            raise ValueError(f"a timeline build needs a [{grid}, 8] int64 timeline buffer")
+            raise ValueError(f"a timeline build needs a [{grid}, {TIMELINE_COLS}] int64 timeline buffer")
         args = (
             # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
             ptr(q), np.float32(q_scale), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels),

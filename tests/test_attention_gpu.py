@@ -205,6 +205,27 @@ def test_gpu_query_heads_of_very_different_size(key_s8: bool) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("D", "G"), [(128, 4), (128, 8), (64, 3)])
+def test_gpu_merge_of_many_partials(D: int, G: int) -> None:
+    """The merge past what its shared memory holds: rows of about 100, 46, 16 and 3 partials (100
+    forced splits of 128k, or the workspace's most) take the early copies into shared memory, one
+    and many register chunks, and one and two (m, l) loads a lane (attn_fp2_decode_merge.cuh)."""
+    Hkv, P, dev = 2, 64, "cuda"
+    lengths = [131072, 60000, 20000, 3000]
+    layer, batch, gdev = paged_case(lengths, [4, 36, 0, 9], 11, Hkv=Hkv, P=P, D=D, device=dev, v_layout="quad")
+    att = make_attention(dev, Hq=G * Hkv, Hkv=Hkv, D=D, max_tokens=131072, key_s8=True, v_layout="quad")
+    splits = min(100, att.max_splits)
+    assert splits >= 64, att.max_splits  # else the rows above do not reach past two (m, l) loads a lane
+    q = torch.randn(len(lengths), G * Hkv, D, device=dev, generator=gdev)
+    for buf in (att.out, att.o_part, att.ml_part):
+        buf.fill_(float("nan"))
+    out = att(q, layer, batch, max_len=131072, num_splits=splits).clone()
+    ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
+    for b, n in enumerate(lengths):
+        assert rel_error(out[b], ref[b]) < 3e-3, (b, n, rel_error(out[b], ref[b]))
+
+
+@pytest.mark.gpu
 def test_gpu_sequence_beyond_max_len_is_nan_not_truncated() -> None:
     """A grid sized for max_len cannot cover a longer sequence: that sequence's output must be NaN
     (loud), the others exact."""

@@ -67,6 +67,14 @@ ZD_DEVICE uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory this launch was given, in bytes (what the host passed, not a constant
+// of the build).
+ZD_DEVICE uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
 // 16-byte global -> shared copy of the first src_bytes bytes, the rest zero-filled (the decode kernel
 // always copies whole 16-byte chunks; it masks tokens outside its range after the MMA instead).
 ZD_DEVICE void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {

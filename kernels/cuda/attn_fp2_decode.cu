@@ -63,20 +63,18 @@
 #define TIMELINE 0  // 1: thread 0 of each CTA stamps %globaltimer into `timeline` (see below)
 #endif
 
-// The stage (layout, permutations, copies) and its computation, split out for size.
-#include "attn_fp2_decode_stage.cuh"
-#include "attn_fp2_decode_compute.cuh"
-#include "attn_fp2_decode_merge.cuh"
-
-// TIMELINE builds (benchmarks/attention_timeline.py): row i of `timeline` [grid, 8] uint64 is CTA
+// TIMELINE builds (benchmarks/attention_timeline.py): row i of `timeline` [grid, 12] uint64 is CTA
 // i's %globaltimer (ns) at start (0), stage 0 landed (1), main loop done (2), partial written (3),
 // finish_row done (4, the merge included for the row's last CTA), its SM (5), its kind (6: 1 a
-// split with work, 2 the bf16 CTA, 0 a split without work) and the stages its warp 0 computed (7).
-// Other builds never touch it.
+// split with work, 2 the bf16 CTA, 0 a split without work), the stages its warp 0 computed (7),
+// its count done (8), and for the CTA that merges: the weights computed and the early partials
+// landed (9), the early partials summed (10). Other builds never touch it.
+#include "attn_fp2_common.cuh"
+constexpr int kTimelineCols = 12;
 #if TIMELINE
 #define ZD_STAMP(i, v) \
   do {                                                                          \
-    if (threadIdx.x == 0) timeline[size_t(blockIdx.x) * 8 + (i)] = (v);         \
+    if (threadIdx.x == 0) timeline[size_t(blockIdx.x) * kTimelineCols + (i)] = (v); \
   } while (0)
 ZD_DEVICE unsigned long long globaltimer() {
   unsigned long long t;
@@ -94,6 +92,10 @@ ZD_DEVICE unsigned long long sm_id() {
   } while (0)
 #endif
 
+// The stage (layout, permutations, copies) and its computation, split out for size.
+#include "attn_fp2_decode_stage.cuh"
+#include "attn_fp2_decode_compute.cuh"
+#include "attn_fp2_decode_merge.cuh"
 
 // q        [B, Hq, D] fp32 (stored key space: rotated, anchor-folded); q_scale = softmax_scale * log2(e)
 // k_codes  page pool [NP, Hkv, P, D/16] of key code words, dense: page p, kv head h, slot j is pool
@@ -110,7 +112,7 @@ ZD_DEVICE unsigned long long sm_id() {
 // hp_len   [B]: bf16 tokens of each sequence (rows 0..hp_len-1, at most hp_max); hp_slot [B]: its row
 // row_done [B, Hkv] int32, zero between launches: partials counted per row (finish_row)
 // out      [B, Hq, D] fp32, normalised (stored value space)
-// timeline [grid, 8] uint64 or null: TIMELINE builds only (above)
+// timeline [grid, 12] uint64 or null: TIMELINE builds only (above)
 // new_k, new_v  [B, Hkv, D] bf16 or null: the step's new tokens (stored space), which the engine
 //          writes into the regions after this kernel (kernels/kv_write.py `PendingAppend`); then
 //          hp_len counts them (the lengths after the write) and each row's bf16 CTA reads its new
@@ -154,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     // the FP2 CTAs of the row with work (n_run) and its bf16 CTA count themselves; the last merges
     finish_row(row_done + row, min(n_need, num_splits), n_need > num_splits, num_splits,
                RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
-               out + head0 * D, reinterpret_cast<float*>(smem_raw));
+               out + head0 * D, reinterpret_cast<float*>(smem_raw), timeline);
   };
   if (bf16_cta) {
     const long long slot = hp_slot[b];

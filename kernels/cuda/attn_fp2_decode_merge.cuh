@@ -153,7 +153,7 @@ ZD_DEVICE void bf16_partial(const float* __restrict__ q, float q_scale, const __
 // longer than the grid covers (overflow) gets NaN. The partials are read through L2 (ld.cg): other
 // CTAs wrote them during this kernel.
 ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_splits, const RowPartials& rp,
-                          float* __restrict__ out, float* smem) {
+                          float* __restrict__ out, float* smem, unsigned long long* __restrict__ timeline) {
   __shared__ int last;
   __syncthreads();  // every thread's partial stores are issued
   if (threadIdx.x == 0) {
@@ -166,6 +166,7 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
     if (last) *row_done = 0;  // for the next launch (nothing else in this one reads it)
   }
   __syncthreads();
+  ZD_STAMP(8, globaltimer());
   if (!last) return;
   if (overflow) {
     // fp2_hi beyond the bound the grid was sized for (max_len): its last tokens were never read.
@@ -177,13 +178,15 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   float* wts = smem;               // [G, n] the partials' m, then their weights
   float* ls = wts + GROUP * n;     // [G, n] the partials' l
   float* inv_l = ls + GROUP * n;   // [G]
-  // The first n_early partials' outputs, as many as the stage rings' memory holds after the above,
-  // start copying into shared memory now, beside the (m, l) round trip rather than after it: a thread
-  // per (head, 4 channels) copies its own columns, which it alone reads back (no barrier for them).
-  constexpr int kRingFloats = NUM_WARPS * STAGES * int(sizeof(Stage)) / 4;
+  // The first n_early partials' outputs, as many as the launch's shared memory holds after the
+  // above (the launch gives this kernel all it can without costing a resident CTA: Fp2Kernels
+  // .decode_launch_smem), start copying into shared memory now, beside the (m, l) round trip rather
+  // than after it: a thread per (head, 4 channels) copies its own columns, which it alone reads back
+  // (no barrier for them). cp.async holds no registers while in flight, so this is the cheap place
+  // for as many partials as fit; the rest come through registers below, a round trip per chunk.
   const int early_at = (2 * GROUP * n + GROUP + 3) & ~3;  // floats: 16-byte aligned
   float* early = smem + early_at;                         // [n_early, G * D]
-  const int n_early = max(0, min(n, (kRingFloats - early_at) / (GROUP * D)));
+  const int n_early = max(0, min(n, (int(dynamic_smem_bytes() / 4) - early_at) / (GROUP * D)));
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     for (int i = 0; i < n_early; ++i)
@@ -192,14 +195,24 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int h = warp; h < GROUP; h += NUM_WARPS) {
-    // One round trip for (m, l), kept in shared memory for the weights (each lane reads back only
-    // what it wrote): the merge is on the kernel's critical path, and every L2 round trip of it
-    // counts at B = 1.
+    // One round trip for (m, l) up to 64 partials (two loads a lane in flight), kept in shared memory
+    // for the weights (each lane reads back only what it wrote): the merge is on the kernel's
+    // critical path, and every L2 round trip of it counts at B = 1 (48 splits a row on 132 SMs).
     float mx = ZD_NEG_INF;
-    for (int i = lane; i < n; i += 32) {
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(rp.ml_at(h, i < n_run ? i : num_splits)));
-      wts[h * n + i] = ml.x, ls[h * n + i] = ml.y;
-      mx = fmaxf(mx, ml.x);
+    for (int i0 = lane; i0 < n; i0 += 64) {
+      float2 ml[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = i0 + 32 * u;
+        ml[u] = i < n ? __ldcg(reinterpret_cast<const float2*>(rp.ml_at(h, i < n_run ? i : num_splits)))
+                      : make_float2(ZD_NEG_INF, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = i0 + 32 * u;
+        if (i < n) wts[h * n + i] = ml[u].x, ls[h * n + i] = ml[u].y;
+        mx = fmaxf(mx, ml[u].x);
+      }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -216,11 +229,12 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   }
   __syncthreads();
   cp_async_wait<0>();
+  ZD_STAMP(9, globaltimer());
   // A thread per (head, 4 channels) sums the early partials from shared memory, then walks the
   // rest in chunks of kMergeChunk float4 loads, all of a chunk in flight whatever n is (predicated:
   // a partial past n is not read and weighs 0; an unrolled loop over n would run a short row's
   // partials through its remainder, one at a time).
-  constexpr int kMergeChunk = 16;
+  constexpr int kMergeChunk = 16;  // 28 or 32 (one round trip less at B = 1) took the kernel to 180 / 200 registers
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -229,6 +243,7 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
       const float4 p = *reinterpret_cast<const float4*>(early + i * GROUP * D + 4 * item);
       acc.x = fmaf(w, p.x, acc.x), acc.y = fmaf(w, p.y, acc.y), acc.z = fmaf(w, p.z, acc.z), acc.w = fmaf(w, p.w, acc.w);
     }
+    ZD_STAMP(10, globaltimer());
     for (int i0 = n_early; i0 < n; i0 += kMergeChunk) {
       float4 p[kMergeChunk];
 #pragma unroll

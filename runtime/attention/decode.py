@@ -40,7 +40,7 @@ class Fp2DecodeAttention:
         v_layout: the value pages' layout the module reads ("token" or "quad", see `Fp2Layer`);
             "quad" needs v_block >= 16.
         timeline: a measuring build whose CTAs stamp the GPU's clock at fixed points into
-            `self.timeline` ([CTAs, 8] int64; benchmarks/attention_timeline.py reads it).
+            `self.timeline` ([CTAs, TIMELINE_COLS] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
 
@@ -114,7 +114,7 @@ class Fp2DecodeAttention:
         self.on_gpu = self.device.type == "cuda"
         self.timeline: torch.Tensor | None = None  # the stamps of the last call (timeline builds)
         if self.on_gpu:
-            from zerodram.kernels.attention import Fp2KernelConfig, Fp2Kernels
+            from zerodram.kernels.attention import TIMELINE_COLS, Fp2KernelConfig, Fp2Kernels
 
             cfg = Fp2KernelConfig(
                 head_dim, self.group, k_block, v_block, scale_dtype, num_warps, stages, min_blocks, key_s8,
@@ -140,7 +140,7 @@ class Fp2DecodeAttention:
             # count, so this stays zero between launches (and across replays of a captured graph).
             self.row_done = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
             ctas = (self.max_splits + 1) * num_kv_heads * max_batch
-            self.timeline = torch.zeros(ctas, 8, dtype=torch.int64, device=self.device) if timeline else None
+            self.timeline = torch.zeros(ctas, TIMELINE_COLS, dtype=torch.int64, device=self.device) if timeline else None
 
     CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
