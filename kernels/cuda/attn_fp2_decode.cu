@@ -72,9 +72,9 @@
 #include "attn_fp2_common.cuh"
 constexpr int kTimelineCols = 12;
 #if TIMELINE
-#define ZD_STAMP(i, v) \
-  do {                                                                          \
-    if (threadIdx.x == 0) timeline[size_t(blockIdx.x) * kTimelineCols + (i)] = (v); \
+#define ZD_STAMP(i, v)                                                                \
+  do {                                                                                \
+    if (threadIdx.x == 0) timeline[size_t(blockIdx.x) * kTimelineCols + (i)] = (v);   \
   } while (0)
 ZD_DEVICE unsigned long long globaltimer() {
   unsigned long long t;

@@ -234,7 +234,8 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   // rest in chunks of kMergeChunk float4 loads, all of a chunk in flight whatever n is (predicated:
   // a partial past n is not read and weighs 0; an unrolled loop over n would run a short row's
   // partials through its remainder, one at a time).
-  constexpr int kMergeChunk = 16;  // 28 or 32 (one round trip less at B = 1) took the kernel to 180 / 200 registers
+  // (A chunk of 28 or 32, one round trip less at B = 1, took the kernel to 180 / 200 registers.)
+  constexpr int kMergeChunk = 16;
   for (int item = threadIdx.x; item < GROUP * D / 4; item += kThreads) {
     const int h = item / (D / 4), c = 4 * (item % (D / 4));
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
