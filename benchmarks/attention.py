@@ -19,7 +19,9 @@ and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_
 window, the new token rounded with error feedback into its page row, kernels/kv_write.py), also
 deferred as the engine's captured steps make it, after the decode that attends its tokens, on a
 low-priority stream (`defer1_added_ms`: per layer of four in one graph, over plain decodes;
-`defer1_alone_added_ms`: one layer, joined right after; `--no-defer` skips it).
+`defer16_added_ms`: per layer of sixteen; `defer_steady_added_ms`: what each layer past the fourth
+adds, the step's last write counted in neither; `defer1_alone_added_ms`: one layer, joined right
+after; `--no-defer` skips them).
 
 Every timed FP2 variant is also checked: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
@@ -258,22 +260,31 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
     so the timed sequence is four such layers with one join at the end, against four plain decodes
     (`defer1_added_ms`, per layer; the feed-forward work between layers, which the writes may also
     overlap, is left out), and one layer joined right after its decode (`defer1_alone_added_ms`:
-    nothing after it to overlap). Each of the four layers has its own bf16 regions (copies of the
-    write's: sinks + window rows, instead of the decode's 36 tokens), as the engine's layers do, so
-    no decode reads a tail that another layer's write moves; they share the pools (the writes'
-    codes go past every decode's range). Checked like the other variants: one more call, then the
-    reference over the written cache."""
+    nothing after it to overlap). The last write of a step has nothing after it in these graphs to
+    hide behind, and four layers count a quarter of its latency in each: sixteen layers
+    (`defer16_added_ms`, fewer than any model in runtime/model/named.py but the test ones) count a
+    sixteenth, and the difference of the two graphs' added times over the twelve layers between
+    them (`defer_steady_added_ms`) is a layer's cost with that tail left out, the tail being
+    hidden in a served step as far as the work after the last layer covers it. Each count of
+    layers is timed plain and deferred with their repetitions interleaved (`medians_ms`): timed
+    one after the other, whichever of the two 16-layer graphs came second ran 55-93 us a layer
+    slower at B = 32, L = 128k on an H100. Each layer has its own bf16 regions (copies of the
+    write's: sinks + window rows, instead of the decode's 36 tokens), as the engine's layers do,
+    so no decode reads a tail that another layer's write moves; they share the pools (the writes'
+    codes go past every decode's range; where the pages fit in L2, the layers after the first read
+    them there, plain and deferred alike). Checked like the other variants: one more call, then
+    the reference over the written cache."""
     import torch
 
     from zerodram.runtime.attention import DecodeBatch
-    from zerodram.runtime.metrics.devtime import median_ms
+    from zerodram.runtime.metrics.devtime import medians_ms
 
     sinks, window = wargs[-2], wargs[-1]
     dev = q.device
     slots = torch.arange(B, dtype=torch.int32, device=dev)
     hp_len = torch.full((B,), sinks + window, dtype=torch.int32, device=dev)
     fp2_len = (batch.fp2_len - 1).clamp_min(0)
-    per_layer = [wargs] + [(*wargs[:3], wargs[3].clone(), wargs[4].clone(), *wargs[5:]) for _ in range(3)]
+    per_layer = [wargs] + [(*wargs[:3], wargs[3].clone(), wargs[4].clone(), *wargs[5:]) for _ in range(15)]
     shorts = [DecodeBatch(batch.block_table, fp2_len, w[3], w[4], hp_len, slots) for w in per_layer]
     pendings = [write.pending(*w) for w in per_layer]
     short, pending = shorts[0], pendings[0]
@@ -293,11 +304,19 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
 
         return run
 
-    time = lambda fn: median_ms(fn, args.reps, flush, capture_stream=capture)  # noqa: E731
-    four_plain = time(layers(4, False))
-    row["defer1_ms"] = time(layers(4, True)) / 4
-    row["defer1_added_ms"] = row["defer1_ms"] - four_plain / 4
-    row["defer1_alone_added_ms"] = time(layers(1, True)) - time(layers(1, False))
+    def pair(n: int) -> list[float]:
+        """ms of n plain layers and of n deferred ones, their repetitions interleaved"""
+        return medians_ms([layers(n, False), layers(n, True)], args.reps, flush, capture_stream=capture)
+
+    four_plain, four_deferred = pair(4)
+    row["defer1_ms"] = four_deferred / 4
+    row["defer1_added_ms"] = (four_deferred - four_plain) / 4
+    one_plain, one_deferred = pair(1)
+    row["defer1_alone_added_ms"] = one_deferred - one_plain
+    plain16, deferred16 = pair(16)
+    row["plain16_ms"], row["defer16_ms"] = plain16 / 16, deferred16 / 16  # per layer, beside fp2_ms
+    row["defer16_added_ms"] = (deferred16 - plain16) / 16
+    row["defer_steady_added_ms"] = (deferred16 - plain16 - (four_deferred - four_plain)) / 12
     # one more step, checked: its output against the reference over the cache the write leaves
     out = best(q, layer, short, max_len=L, num_splits=forced, pending=pending).clone()
     write(*wargs)
@@ -354,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
         f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
-        f" {'+defer1 us':>10} {'alone':>6}"
+        f" {'+defer1 us':>10} {'+defer16':>8} {'steady':>6} {'alone':>6}"
     )
     for r in rows:
         print(
@@ -363,6 +382,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r.get('fp16_gbps', nan):>6.0f} {r.get('speedup', nan):>6.2f}x "
             f"{1e3 * r.get('write1_ms', nan):>9.1f} {1e3 * r.get('write1_added_ms', nan):>10.1f} {1e3 * r.get('flush32_ms', nan):>10.1f}"
             f" {1e3 * r.get('ewrite1_added_ms', nan):>11.1f} {1e3 * r.get('defer1_added_ms', nan):>10.1f}"
+            f" {1e3 * r.get('defer16_added_ms', nan):>8.1f} {1e3 * r.get('defer_steady_added_ms', nan):>6.1f}"
             f" {1e3 * r.get('defer1_alone_added_ms', nan):>6.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)

@@ -3,6 +3,7 @@ copy bandwidth the floors are measured against, and marks between the stages of 
 
     bw = copy_bandwidth()                                     # bytes read + written per second
     ms = median_ms(lambda: kernel(...), reps=30, flush=buf)   # GPU: captured once, replayed
+    ms_a, ms_b = medians_ms([fa, fb], reps=30, flush=buf)     # the same, repetitions interleaved
     clock = Clock(dev); a = clock.mark(); ...; clock.between_ms(a, clock.mark())   # GPU or CPU
     acts = device_activity(lambda: graph.replay(), reps=5)    # per kernel: us per rep, count per rep
 
@@ -19,7 +20,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,25 +91,40 @@ def median_ms(
     launched eagerly, for work that cannot be captured, e.g. a host sync). `capture_stream`: the
     stream the graph is captured on (its priority becomes the priority of the nodes captured from
     it, as the engine's whole-step graph; default: torch's private capture stream)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=capture_stream):
+    return medians_ms([fn], reps, flush, graph=graph, capture_stream=capture_stream)[0]
+
+
+def medians_ms(
+    fns: Sequence[Callable[[], object]], reps: int, flush: torch.Tensor, *, graph: bool = True,
+    capture_stream: torch.cuda.Stream | None = None,
+) -> list[float]:  # fmt: skip
+    """`median_ms` of each of `fns`, their repetitions interleaved (a, b, a, b, ...): a difference
+    of two long sequences is then not a difference of when each ran. Timed one after the other,
+    whichever of two 16-layer decode graphs came second took 55-93 us (up to 11%) longer a layer
+    at B = 32, L = 128k on an H100 (docs/benchmarks.md, "The deferred write over sixteen layers")."""
+    runs = []
+    for fn in fns:
+        for _ in range(3):
             fn()
-        run = g.replay
-    times = []
+        torch.cuda.synchronize()
+        run = fn
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=capture_stream):
+                fn()
+            run = g.replay
+        runs.append(run)
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps + 2):
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[2:])
+        for run, ts in zip(runs, times, strict=True):
+            flush.sum()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+    return [statistics.median(ts[2:]) for ts in times]
 
 
 def device_activity(fn: Callable[[], object], reps: int) -> list[tuple[str, float, float]]:
