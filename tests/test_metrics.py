@@ -258,3 +258,44 @@ def test_benchmark_clock_and_copy_bandwidth_on_cpu() -> None:
     clock.idle()
     assert 5 <= clock.between_ms(a, clock.mark()) < 5000
     assert copy_bandwidth(num_bytes=1 << 20, reps=4, device="cpu") > 1e6  # bytes/s, any CPU
+
+
+def test_medians_interleave_their_repetitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`medians_ms` times its functions turn about (a, b, a, b, ...) after each one's warm-up, and
+    reads each one's median; `median_ms` is its one-function case. CUDA events are stood in for by
+    a clock that each function advances by a known number of ticks, with one slow repetition of
+    each, which the medians must ignore."""
+    from zerodram.runtime.metrics import devtime
+
+    ticks = [0]
+    calls: list[str] = []
+
+    class TickEvent:  # a CUDA event's interface: record, synchronize, elapsed_time
+        def __init__(self, enable_timing: bool = True) -> None:
+            self.at = 0
+
+        def record(self) -> None:
+            self.at = ticks[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: TickEvent) -> float:
+            return float(end.at - self.at)
+
+    def work(name: str, cost: int):
+        def run() -> None:
+            calls.append(name)
+            slow = calls.count(name) == 6  # the first timed repetition (after 3 warm-ups and 2 untimed)
+            ticks[0] += cost * (10 if slow else 1)
+
+        return run
+
+    monkeypatch.setattr(torch.cuda, "Event", TickEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    flush = torch.zeros(4)
+    assert devtime.medians_ms([work("a", 2), work("b", 5)], 5, flush, graph=False) == [2.0, 5.0]
+    assert "".join(calls) == "aaabbb" + "ab" * 7
+    calls.clear()
+    assert devtime.median_ms(work("c", 3), 5, flush, graph=False) == 3.0
+    assert calls == ["c"] * 10
