@@ -27,7 +27,6 @@ SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 RULES = ("absmax", "mse")
 NUM_THREADS = 128  # the kernel's CTA
 NUM_CAND = 33  # MSE candidates (runtime/kv/quantize.MSE_FRACTIONS; the cache checks they agree)
-ROWS_PER_CTA = 4  # batch rows of one (head, side) a CTA writes, a group of NUM_THREADS / ROWS_PER_CTA each
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class DecodeWriteConfig:
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND, "V_QUAD": int(self.v_quad),
-            "STAGE_ROWS": int(staged), "ROWS_PER_CTA": ROWS_PER_CTA,
+            "STAGE_ROWS": int(staged),
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
@@ -162,11 +161,10 @@ class Fp2DecodeWrite:
 
     def _launch(self, args: tuple, Bp: int, H: int, factor: bool) -> None:
         if Bp:
-            ctas = -(-Bp // ROWS_PER_CTA)
-            staged = factor and ctas * H * 2 <= self.max_staged_ctas
+            staged = factor and Bp * H * 2 <= self.max_staged_ctas
             kernel, smem = (self._staged, self.cfg.factor_smem_bytes) if staged else (self._kernel, 0)
             with torch.cuda.device(self.device):
-                launch(kernel, grid=(ctas, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
+                launch(kernel, grid=(Bp, H, 2), block=(NUM_THREADS,), args=args, shared_mem=smem)
 
     def pending(self, yk, yv, index, hp_k, hp_v, k_codes, v_codes, k_scales, v_scales, k_levels, v_levels,
                 k_rows, v_rows, num_sinks: int, window: int) -> PendingAppend:  # fmt: skip
@@ -202,5 +200,5 @@ class Fp2DecodeWrite:
             ptr(yk), ptr(yv), ptr(index), ptr(hp_k), ptr(hp_v), np.int32(hp_k.shape[2]),
             ptr(k_codes), ptr(v_codes), ptr(k_scales), ptr(v_scales), np.int32(k_codes.shape[2]),
             ptr(k_levels), ptr(v_levels), ptr(self.fracs), opt(k_rows), opt(v_rows),
-            np.int32(num_sinks), np.int32(window), np.int32(self.rules), np.int32(Bp),
+            np.int32(num_sinks), np.int32(window), np.int32(self.rules),
         )  # fmt: skip

@@ -6,8 +6,7 @@
 // slot (sinks S, window W, one arriving row), P page size, BS channels per scale block (K_BLOCK /
 // V_BLOCK), NB = D / BS, PER = D / 32 channels per lane, C = NUM_CAND candidate scales.
 //
-// grid (ceil(Bp / ROWS_PER_CTA), H, 2 sides: K then V), NUM_THREADS threads, a group of
-// NUM_THREADS / ROWS_PER_CTA of them per row. Per (row, head, side):
+// grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
 //   2. every warp reads the new token into registers, lane l holding channels l + 32 i (its codes
 //      are written now, at arrival, into its own page row: runtime/kv/fp2_cache.py); the CTA
@@ -60,7 +59,6 @@ constexpr int NUM_THREADS = kRowThreads;
 // k_levels, v_levels  [4] fp32 sorted; fracs [C] fp32 (MSE candidates)
 // k_rows, v_rows      [H, D, D] fp32 feedback factor / its diagonal per row, or null (nearest codes)
 // rules         bit 0: keys take the MSE rule (else absmax), bit 1: values
-// Bp            the batch rows (grid.x = ceil(Bp / kRows))
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     fp2_decode_write(const __nv_bfloat16* __restrict__ yk, const __nv_bfloat16* __restrict__ yv,
                      const long long* __restrict__ index, __nv_bfloat16* hp_k, __nv_bfloat16* hp_v, int hp_rows,
@@ -68,40 +66,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                      uint8_t* __restrict__ v_scales, int page_size, const float* __restrict__ k_levels,
                      const float* __restrict__ v_levels, const float* __restrict__ fracs,
                      const float* __restrict__ k_rows, const float* __restrict__ v_rows, int num_sinks, int window,
-                     int rules, int Bp) {
-  const int h = blockIdx.y, side = blockIdx.z;
-  const int H = gridDim.y;
+                     int rules) {
+  const int b = blockIdx.x, h = blockIdx.y, side = blockIdx.z;
+  const int Bp = gridDim.x, H = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // row group g writes batch row b; a group past Bp (the last CTA's, Bp not a multiple of kRows)
-  // writes nothing, but copies its share of the staged factor and meets the CTA's barriers
-  // (g through a shuffle from lane 0: the compiler then knows it, and what follows from it, is the
-  // same on every lane; computed from threadIdx.x alone it guards each warp shuffle after a branch
-  // on g with a divergent fallback, twice the kernel's code)
-  const int g = __shfl_sync(0xffffffffu, warp / kGroupWarps, 0);
-  const int gw = warp % kGroupWarps, gt = threadIdx.x % kGroupThreads;
-  const int b = blockIdx.x * kRows + g;
-  const bool live = b < Bp;
-  long long slot = 0, row = 0, page = 0, prow = 0;
-  bool flush = false;
-  if (live) {
-    slot = index[b], row = index[Bp + b], page = index[3 * Bp + b], prow = index[4 * Bp + b];
-    flush = index[2 * Bp + b] != 0;
-  }
+  const long long slot = index[b], row = index[Bp + b], page = index[3 * Bp + b], prow = index[4 * Bp + b];
+  const bool flush = index[2 * Bp + b] != 0;
 
   __nv_bfloat16* hp = (side == 0 ? hp_k : hp_v) + (slot * H + h) * hp_rows * D;  // [R, D] of (slot, head)
-  // (a group past Bp reads row Bp - 1's token: in bounds, and nothing it computes is stored)
-  const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)(live ? b : Bp - 1) * H + h) * D;
+  const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)b * H + h) * D;
 
-  // 1. the new token to its row; the MSE candidates' fractions into shared memory
-  __shared__ float sh_fracs[NUM_CAND];
-  if (live && gt < D / 8)
-    reinterpret_cast<uint4*>(hp + row * D)[gt] = reinterpret_cast<const uint4*>(y)[gt];
-  for (int c = threadIdx.x; c < NUM_CAND; c += NUM_THREADS) sh_fracs[c] = fracs[c];
+  // 1. the new token to its row
+  if (threadIdx.x < D / 8)
+    reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
   __syncthreads();
 
-  // 2. the new token, lane-strided, into every warp of its group (the search is shared); the head's
-  // factor rows copied into shared memory by the whole CTA (staged build) or asked of L2 (L2
-  // build) now, so that the chain's register ring does not wait on DRAM
+  // 2. the new token, lane-strided, into every warp (the search is shared); the head's factor
+  // rows copied into shared memory (staged build) or asked of L2 (L2 build) now, so that the
+  // chain's register ring does not wait on DRAM
   float v[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(y[32 * i + lane]);
@@ -120,26 +102,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
     }
   }
-  // 3. the tail moves up where the row flushes (uniform per group: the barriers inside are safe)
-  if (live && flush && window > 0) shift_tail(hp + num_sinks * D, window, gt, g);
+  // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
+  if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
 
-  // 4, 5. scales (every warp of the group), codes and stores at (page, page row): the new token's
-  // own page, or the scratch page (the group's first warp)
+  // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
+  // the scratch page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
   if (side == 0) {
     float scale[D / K_BLOCK];
-    if (live) block_scales<K_BLOCK>(v, lane, gw, g, k_levels, sh_fracs, rules & 1, scale);
+    block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
     if (STAGE_ROWS && rows != nullptr) rows_staged();
-    if (live && gw == 0)
-      quantize_row<K_BLOCK, false>(v, lane, g, k_levels, scale, rows, k_codes + at * (D / 16), 0,
+    if (warp == 0)
+      quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
                                    k_scales + at * (D / K_BLOCK));
   } else {
     float scale[D / V_BLOCK];
-    if (live) block_scales<V_BLOCK>(v, lane, gw, g, v_levels, sh_fracs, (rules >> 1) & 1, scale);
+    block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
     if (STAGE_ROWS && rows != nullptr) rows_staged();
-    if (live && gw == 0)
-      quantize_row<V_BLOCK, V_QUAD>(v, lane, g, v_levels, scale, rows,
-                                    v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
-                                    v_scales + at * (D / V_BLOCK));
+    if (warp == 0)
+      quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
+                                    int(prow & 3), v_scales + at * (D / V_BLOCK));
   }
 }

@@ -34,56 +34,38 @@
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout
 #endif
-// Rows (sequences) of one (head, side) a CTA writes, each by its own group of 128 / ROWS_PER_CTA
-// threads: the group shares its row's scale search, its first warp runs the row's chain, and the
-// whole CTA stages the head's factor once for all of them
-#ifndef ROWS_PER_CTA
-#define ROWS_PER_CTA 1
-#endif
 
 namespace fp2w {
 constexpr int D = HEAD_DIM;
 constexpr int PER = D / 32;
 constexpr int kRowThreads = 128;  // the write kernel's CTA
-constexpr int kRows = ROWS_PER_CTA;  // rows a CTA writes
-constexpr int kGroupThreads = kRowThreads / kRows;  // one row's threads
-constexpr int kGroupWarps = kGroupThreads / 32;
-static_assert(kRows == 1 || kRows == 2 || kRows == 4, "1, 2 or 4 rows a CTA");
+constexpr int kRowWarps = kRowThreads / 32;
 constexpr int PREFETCH = 8;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(D % 32 == 0 && D <= 256, "head dim a multiple of 32, at most 256");
 static_assert(K_BLOCK % 32 == 0 && V_BLOCK % 32 == 0 && D % K_BLOCK == 0 && D % V_BLOCK == 0, "blocks");
 static_assert(!STAGE_ROWS || D <= 128, "a staged factor of more than 64 KB (kernels/kv_write.py stages D <= 128)");
 
-// The barrier of row group g's threads: the whole CTA (one row a CTA), named barrier 1 + g (two
-// warps a row), or the warp (one)
-__device__ __forceinline__ void group_sync(int g) {
-  if constexpr (kRows == 1) __syncthreads();
-  else if constexpr (kGroupWarps == 1) __syncwarp();
-  else asm volatile("bar.sync %0, %1;" ::"r"(1 + g), "r"(kGroupThreads) : "memory");
-}
-
 // Rows S + 1 .. S + W of one (slot, head) to rows S .. S + W - 1: a memmove of W * D bf16, in
-// 16-byte words, by row group g (gt: the thread's index in it; see the hazards in fp2_decode_write.cu).
-__device__ void shift_tail(__nv_bfloat16* row_s, int window, int gt, int g) {
+// 16-byte words, by the whole CTA (see the hazards in fp2_decode_write.cu).
+__device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   // uint4 per thread per chunk: one chunk (one round trip to memory) for a window of up to 64 rows
-  // at D = 128 with the whole CTA on one row; the registers are free here, the search and the
-  // chain come after
+  // at D = 128; the registers are free here, the search and the chain come after
   constexpr int WORDS = 64 * 128 / 8 / kRowThreads;
   const int n = window * D / 8;
   uint4* dst = reinterpret_cast<uint4*>(row_s);
   const uint4* src = reinterpret_cast<const uint4*>(row_s + D);
-  for (int base = 0; base < n; base += kGroupThreads * WORDS) {
+  for (int base = 0; base < n; base += kRowThreads * WORDS) {
     uint4 r[WORDS];
 #pragma unroll
     for (int k = 0; k < WORDS; ++k) {
-      const int i = base + k * kGroupThreads + gt;
+      const int i = base + k * kRowThreads + threadIdx.x;
       if (i < n) r[k] = src[i];
     }
-    group_sync(g);
+    __syncthreads();
 #pragma unroll
     for (int k = 0; k < WORDS; ++k) {
-      const int i = base + k * kGroupThreads + gt;
+      const int i = base + k * kRowThreads + threadIdx.x;
       if (i < n) dst[i] = r[k];
     }
   }
@@ -246,27 +228,27 @@ __device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows
   for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
 }
 
-// Step 4's scales for one side (BS channels per block), the MSE search shared by the warps of row
-// group g (a group barrier inside: the caller is uniform per group; gw: the warp's index in the
-// group); v: the row, lane-strided, in every warp of the group; fracs: the candidates' fractions
-// (shared memory). Absmax scales go straight into `scale`; for MSE each warp takes its share of
-// the candidates, CHUNK at a time (the registers of a chunk's errors), leaves its least (error,
-// candidate) per block in shared memory, and after the barrier every thread of the group picks
-// the first least error over the shares.
+// Step 4's scales for one side (BS channels per block), the MSE search shared by every warp of the
+// CTA (a __syncthreads inside: the caller is uniform per CTA); v: the row, lane-strided, in every
+// warp. Absmax scales go straight into `scale`; for MSE each warp takes its share of the
+// candidates, leaves its least (error, candidate) per block in shared memory, and after the barrier
+// every thread picks the first least error over the shares.
 template <int BS>
-__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int gw, int g, const float* __restrict__ lv,
-                             const float* fracs, bool mse, float (&scale)[D / BS]) {
+__device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
+                             const float* __restrict__ fracs, bool mse, float (&scale)[D / BS]) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
-  constexpr int CPW = (NUM_CAND + kGroupWarps - 1) / kGroupWarps;  // MSE candidates per warp
-  constexpr int CHUNK = CPW < 11 ? CPW : 11;
-  __shared__ double sh_err[kRows][D / 32][kGroupWarps];
-  __shared__ float sh_scale[kRows][D / 32][kGroupWarps];
+  constexpr int CPW = (NUM_CAND + kRowWarps - 1) / kRowWarps;  // MSE candidates per warp
+  __shared__ double sh_err[D / 32][kRowWarps];
+  __shared__ float sh_scale[D / 32][kRowWarps];
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   // midpoints(): (L[i + 1] + L[i]) / 2, a halving being exact either way
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
   const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
   const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
   const float lmax = fmaxf(fmaxf(fabsf(l0), fabsf(l1)), fmaxf(fabsf(l2), fabsf(l3)));
+  float frac[CPW];  // this warp's share of the candidates: c = warp * CPW + k
+#pragma unroll
+  for (int k = 0; k < CPW; ++k) frac[k] = mse && warp * CPW + k < NUM_CAND ? fracs[warp * CPW + k] : 0.f;
 
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
@@ -280,56 +262,51 @@ __device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, in
       scale[b] = zd::round_scale<SCALE_FMT>(s0);
       continue;
     }
+    float cand[CPW];
+    double err[CPW];
+#pragma unroll
+    for (int k = 0; k < CPW; ++k) {
+      cand[k] = zd::round_scale<SCALE_FMT>(__fmul_rn(s0, frac[k]));
+      const float t0 = __fmul_rn(cand[k], m0), t1 = __fmul_rn(cand[k], m1), t2 = __fmul_rn(cand[k], m2);
+      // L * cand is exact in fp32 (a few significant bits each) unless it overflows, which needs
+      // |y| near 2^126 with E8M0 scales: then every error is inf and candidate 0 stays (torch's
+      // fp64 search would still rank them); stored-space values never come near
+      const float q0 = __fmul_rn(l0, cand[k]), q1 = __fmul_rn(l1, cand[k]), q2 = __fmul_rn(l2, cand[k]);
+      const float q3 = __fmul_rn(l3, cand[k]);
+      err[k] = 0.0;
+#pragma unroll
+      for (int i = b * SPB; i < (b + 1) * SPB; ++i) {
+        const float y = v[i];
+        const float q = y >= t1 ? (y >= t2 ? q3 : q2) : (y >= t0 ? q1 : q0);
+        const double d = double(y) - double(q);
+        err[k] = fma(d, d, err[k]);
+      }
+    }
+    // the butterflies round by round over the share: CPW shuffles in flight, not one
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+#pragma unroll
+      for (int k = 0; k < CPW; ++k) err[k] += __shfl_xor_sync(kFull, err[k], off);
+    }
     // the share's first least error; +inf and its first candidate where every error overflows
     double best = __longlong_as_double(0x7ff0000000000000ll);
-    float pick = 0.f;
-#pragma unroll 1
-    for (int k0 = 0; k0 < CPW; k0 += CHUNK) {
-      float cand[CHUNK];
-      double err[CHUNK];
+    float pick = cand[0];
 #pragma unroll
-      for (int k = 0; k < CHUNK; ++k) {
-        const int c = gw * CPW + k0 + k;
-        cand[k] = zd::round_scale<SCALE_FMT>(__fmul_rn(s0, k0 + k < CPW && c < NUM_CAND ? fracs[c] : 0.f));
-        const float t0 = __fmul_rn(cand[k], m0), t1 = __fmul_rn(cand[k], m1), t2 = __fmul_rn(cand[k], m2);
-        // L * cand is exact in fp32 (a few significant bits each) unless it overflows, which needs
-        // |y| near 2^126 with E8M0 scales: then every error is inf and candidate 0 stays (torch's
-        // fp64 search would still rank them); stored-space values never come near
-        const float q0 = __fmul_rn(l0, cand[k]), q1 = __fmul_rn(l1, cand[k]), q2 = __fmul_rn(l2, cand[k]);
-        const float q3 = __fmul_rn(l3, cand[k]);
-        err[k] = 0.0;
-#pragma unroll
-        for (int i = b * SPB; i < (b + 1) * SPB; ++i) {
-          const float y = v[i];
-          const float q = y >= t1 ? (y >= t2 ? q3 : q2) : (y >= t0 ? q1 : q0);
-          const double d = double(y) - double(q);
-          err[k] = fma(d, d, err[k]);
-        }
-      }
-      // the butterflies round by round over the chunk: CHUNK shuffles in flight, not one
-#pragma unroll
-      for (int off = 16; off; off >>= 1) {
-#pragma unroll
-        for (int k = 0; k < CHUNK; ++k) err[k] += __shfl_xor_sync(kFull, err[k], off);
-      }
-      if (k0 == 0) pick = cand[0];
-#pragma unroll
-      for (int k = 0; k < CHUNK; ++k)
-        if (k0 + k < CPW && gw * CPW + k0 + k < NUM_CAND && err[k] < best) best = err[k], pick = cand[k];
-    }
-    if (lane == 0) sh_err[g][b][gw] = best, sh_scale[g][b][gw] = pick;
+    for (int k = 0; k < CPW; ++k)
+      if (warp * CPW + k < NUM_CAND && err[k] < best) best = err[k], pick = cand[k];
+    if (lane == 0) sh_err[b][warp] = best, sh_scale[b][warp] = pick;
   }
   if (!mse) return;
-  group_sync(g);
+  __syncthreads();
   // shares in candidate order, strict <: the first least error over all (candidate 0 where every
   // error overflows to inf)
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
-    double best = sh_err[g][b][0];
-    scale[b] = sh_scale[g][b][0];
+    double best = sh_err[b][0];
+    scale[b] = sh_scale[b][0];
 #pragma unroll
-    for (int w = 1; w < kGroupWarps; ++w)
-      if (sh_err[g][b][w] < best) best = sh_err[g][b][w], scale[b] = sh_scale[g][b][w];
+    for (int w = 1; w < kRowWarps; ++w)
+      if (sh_err[b][w] < best) best = sh_err[b][w], scale[b] = sh_scale[b][w];
   }
 }
 
@@ -340,11 +317,11 @@ __device__ __forceinline__ void rows_staged() {
   __syncthreads();
 }
 
-// Step 4's codes and step 5 for one side, one warp (row group g's first); v: the row, lane-strided; scale: the blocks'
+// Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'
 // scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being token
 // quad_token (0..3).
 template <int BS, bool QUAD>
-__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, int g, const float* __restrict__ lv, const float (&scale)[D / BS],
+__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
                              const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
                              uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
@@ -354,11 +331,8 @@ __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, int g, c
   const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
 
   // the chain's row, scales and codes (feedback_codes_exact)
-  __shared__ float sh_v_all[kRows][D], sh_scale_all[kRows][D / 32];
-  __shared__ int sh_code_all[kRows][D];
-  float* sh_v = sh_v_all[g];
-  float* sh_scale = sh_scale_all[g];
-  int* sh_code = sh_code_all[g];
+  __shared__ float sh_v[D], sh_scale[D / 32];
+  __shared__ int sh_code[D];
   int code[PER] = {};
   if (rows == nullptr) {
 #pragma unroll
