@@ -92,6 +92,8 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         pytest.param(
             "fp2:fb=1,tail=1,window=7,blk=c32,scale=e8m0,krule=absmax", "cuda", D, False, marks=pytest.mark.gpu
         ),
+        # D = 96: a lane's 3 channels of the chain straddle two 32-channel blocks (lanes 10 and 21)
+        pytest.param("fp2:fb=1,tail=1,window=47,blk=c32,rot=0", "cuda", 96, False, marks=pytest.mark.gpu),
     ],
 )
 def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int, l2: bool) -> None:

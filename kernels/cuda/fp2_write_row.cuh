@@ -126,73 +126,64 @@ static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
 // shuffle (the chain: decide, error, update the next channel). At a group's start its owner's wf
 // is its wt, whose last error came by shuffle: one shuffle on the chain per PER channels. sh_v:
 // the row, lane-strided ([D], channel 32 i + lane at 32 i + lane); codes come back lane-strided.
+//
+// The chain carries only what the next channel needs: the level's product with the scale comes
+// from a table made once a block (the same fmul), and the owner keeps the value it decided from
+// (dec), from which every lane derives its own codes and band test after the loop, all lanes at
+// once. In the loop, the codes, their packing, the band test and the level's product took 20 of
+// 47 instructions a channel (NVRTC 13.0; 27 without them), and a write's CTA 1.5 us more on an
+// H100 (docs/fp2-kernel.md, "The chain without its codes").
 template <int BS, bool EXACT>
 __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, int (&code)[PER], int lane,
                                                const float* __restrict__ rows, const float (&scale)[D / BS],
                                                const float (&m)[3], const float (&l)[4]) {
   constexpr int NB = D / BS;
-  float wt[PER], wf[PER];
+  float wt[PER], wf[PER], dec[PER];
 #pragma unroll
   for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
   float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
 #pragma unroll
   for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
-  // The band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
-  // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
-  // Per block: its scale and band bits, the current block's first. The loop moves them down one at
-  // each block boundary (an index by the loop's channel would put them in local memory).
-  float sb[NB];
-  uint32_t tol_bits[NB][3];
+  // Per block: its scale, the current block's first; the loop moves them down one at each block
+  // boundary (an index by the loop's channel would put them in local memory). ls: the current
+  // block's levels times its scale, as the reference's error takes them.
+  float sb[NB], ls[4];
 #pragma unroll
-  for (int b = 0; b < NB; ++b) {
-    sb[b] = scale[b];
-#pragma unroll
-    for (int i = 0; i < 3; ++i)
-      tol_bits[b][i] = __float_as_uint(
-          fmaxf(fmaxf(scale[b] * fabsf(m[i]) * 0x1p-21f, scale[b] * 0x1p-126f * 0x1p-22f), 0x1p-125f));
-  }
+  for (int b = 0; b < NB; ++b) sb[b] = scale[b];
   auto next_block = [&]() {
 #pragma unroll
-    for (int b = 0; b + 1 < NB; ++b) {
-      sb[b] = sb[b + 1];
-#pragma unroll
-      for (int i = 0; i < 3; ++i) tol_bits[b][i] = tol_bits[b + 1][i];
-    }
+    for (int b = 0; b + 1 < NB; ++b) sb[b] = sb[b + 1];
   };
-  bool near = false;
-  uint32_t packed = 0;  // the owner's codes, 2 bits per channel of its group
+  auto block_levels = [&]() {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], sb[0]);
+  };
+  block_levels();
 #pragma unroll 1
   for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
     if constexpr (BS % CHAIN_STEP == 0) {
-      if (c0 > 0 && c0 % BS == 0) next_block();
+      if (c0 > 0 && c0 % BS == 0) next_block(), block_levels();
     }
 #pragma unroll
     for (int t = 0; t < CHAIN_STEP; ++t) {
       const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
-      const bool own = lane == o;
       if constexpr (BS % CHAIN_STEP != 0) {
-        if (c > 0 && c % BS == 0) next_block();
+        if (c > 0 && c % BS == 0) next_block(), block_levels();
       }
       if (j == 0) {
 #pragma unroll
         for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
       }
-      const float s = sb[0];
-      const uint32_t* tb = tol_bits[0];
       bool ge[3];
 #pragma unroll
       for (int i = 0; i < 3; ++i) {
-        if (!EXACT) {
-          const float r = __fmaf_rn(-s, m[i], wf[j]);
-          ge[i] = !(r < 0.f);
-          near |= own && (__float_as_uint(r) ^ 0x80000000u) < tb[i];
-        } else {
-          ge[i] = !(__fdiv_rn(wf[j], s) < m[i]);
-        }
+        if (!EXACT) ge[i] = !(__fmaf_rn(-sb[0], m[i], wf[j]) < 0.f);
+        else ge[i] = !(__fdiv_rn(wf[j], sb[0]) < m[i]);
       }
-      if (own) packed |= uint32_t(int(ge[0]) + int(ge[1]) + int(ge[2])) << (2 * j);
-      const float lvl = ge[2] ? l[3] : ge[1] ? l[2] : ge[0] ? l[1] : l[0];
-      const float err_own = __fsub_rn(wf[j], __fmul_rn(lvl, s));
+      if (lane == o) dec[j] = wf[j];
+      // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
+      const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
+      const float err_own = __fsub_rn(wf[j], lvl_s);
 #pragma unroll
       for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
       const float err = __shfl_sync(kFull, err_own, o);
@@ -201,6 +192,31 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
       for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
       if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
+  }
+  // Each lane's own channels, from the values it decided them from, with the same tests: the code,
+  // and the band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
+  // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
+  bool near = false;
+  uint32_t packed = 0;  // the lane's codes, 2 bits per channel of its group
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    float s = scale[0];  // channel PER * lane + j's block (a group may straddle two: D = 96, PER = 3)
+#pragma unroll
+    for (int b = 1; b < NB; ++b)
+      if (PER * lane + j >= b * BS) s = scale[b];
+    int q = 0;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (!EXACT) {
+        const float r = __fmaf_rn(-s, m[i], dec[j]);
+        const uint32_t tol = __float_as_uint(fmaxf(fmaxf(s * fabsf(m[i]) * 0x1p-21f, s * 0x1p-126f * 0x1p-22f), 0x1p-125f));
+        q += int(!(r < 0.f));
+        near |= (__float_as_uint(r) ^ 0x80000000u) < tol;
+      } else {
+        q += int(!(__fdiv_rn(dec[j], s) < m[i]));
+      }
+    }
+    packed |= uint32_t(q) << (2 * j);
   }
   // back to lane-strided: channel 32 i + lane is field (32 i + lane) % PER of lane (32 i + lane) / PER
 #pragma unroll
