@@ -35,7 +35,8 @@
 // launch at any batch; 45 us with the shared search, an L2 prefetch and the fast pass below; 15.5
 // with the chain rolled into a loop (its unrolled ~16 k instructions, run once, waited on
 // instruction fetch); 13-15 with the factor copied into shared memory while the search runs (H200,
-// docs/benchmarks.md).
+// docs/benchmarks.md); on an H100, 11.8-12.0 against 13.3-13.6 at B = 8 with the chain carrying
+// only what the next channel needs (fp2_write_row.cuh).
 //
 // Hazards. Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
