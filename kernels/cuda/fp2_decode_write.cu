@@ -9,10 +9,10 @@
 // grid (Bp, H, 2 sides: K then V), NUM_THREADS threads. Per (row, head, side):
 //   1. the new token (stored space, bf16) goes to its row of the slot's bf16 region;
 //   2. every warp reads the new token into registers, lane l holding channels l + 32 i (its codes
-//      are written now, at arrival, into its own page row: runtime/kv/fp2_cache.py); the CTA
-//      starts copying the head's factor rows into shared memory (the staged build, STAGE_ROWS:
-//      D <= 128 and short grids; step 4's feedback reads them there), or asks L2 for them (the
-//      L2 build);
+//      are written now, at arrival, into its own page row: runtime/kv/fp2_cache.py); thread 0
+//      starts one bulk copy of the head's factor rows into shared memory (the staged build,
+//      STAGE_ROWS: D <= 128 and short grids; step 4's feedback reads them there), or the CTA asks
+//      L2 for them (the L2 build);
 //   3. where the row flushes (its oldest tail row joins the FP2 range, whose codes were written
 //      when it arrived), the whole CTA moves rows S + 1 .. S + W up by one (the torch body's "tail
 //      moves up"); elsewhere the tail stays. A sink's codes go to the scratch page;
@@ -36,15 +36,17 @@
 // with the chain rolled into a loop (its unrolled ~16 k instructions, run once, waited on
 // instruction fetch); 13-15 with the factor copied into shared memory while the search runs (H200,
 // docs/benchmarks.md); on an H100, 11.8-12.0 against 13.3-13.6 at B = 8 with the chain carrying
-// only what the next channel needs (fp2_write_row.cuh).
+// only what the next channel needs (fp2_write_row.cuh); on the H200, 11.7-11.9 against 12.0-12.2
+// with the factor staged by one bulk copy instead of 4096 cp.async of 16 bytes.
 //
 // Hazards. Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
 // feedback chain is sequential over D channels: the factor rows are loaded PREFETCH channels ahead
-// into a register ring, keeping the load latency off the chain. The staged factor is read only
-// after every thread's copies have landed (cp.async.wait_all, then a barrier, both after the
-// search). Padding rows all name the scratch slot and page: their writes race, and nothing reads
-// them.
+// into a register ring, keeping the load latency off the chain. The staged factor is read only by
+// warp 0, after its bytes have completed the mbarrier's phase 0 (thread 0 initialised it before
+// starting the copy, and its warp meets it at a __syncwarp before the wait); the bulk copy needs
+// the factor 16-byte aligned (the cache makes it a fresh contiguous tensor). Padding rows all name
+// the scratch slot and page: their writes race, and nothing reads them.
 #include "fp2_write_row.cuh"
 
 namespace {
@@ -90,13 +92,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(y[32 * i + lane]);
   const float* rows = side == 0 ? k_rows : v_rows;  // [H, D, D], or null: nearest codes
   extern __shared__ float4 sh_rows4[];  // [D, D] fp32 with STAGE_ROWS
+  __shared__ __align__(8) unsigned long long sh_rows_bar;  // the staged factor's arrival (STAGE_ROWS)
   if (rows != nullptr) {
     rows += (long long)h * D * D;
     if constexpr (STAGE_ROWS) {
-      const uint32_t base = uint32_t(__cvta_generic_to_shared(sh_rows4));
-      for (int i = threadIdx.x; i < D * D / 4; i += NUM_THREADS)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * i), "l"(rows + 4 * i));
-      asm volatile("cp.async.commit_group;");
+      // one bulk copy (the TMA unit) by thread 0, its completion counted on an mbarrier that warp 0
+      // waits on before the chain: the threads' 4096 copies of 16 bytes took their issue time and
+      // went through the SM's load path beside the decode's (docs/fp2-kernel.md, "One bulk copy")
+      if (threadIdx.x == 0) stage_rows(sh_rows4, rows, &sh_rows_bar);
       rows = reinterpret_cast<const float*>(sh_rows4);
     } else {
       for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
@@ -112,16 +115,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   if (side == 0) {
     float scale[D / K_BLOCK];
     block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
-    if (STAGE_ROWS && rows != nullptr) rows_staged();
-    if (warp == 0)
+    if (warp == 0) {
+      if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
       quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
                                    k_scales + at * (D / K_BLOCK));
+    }
   } else {
     float scale[D / V_BLOCK];
     block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
-    if (STAGE_ROWS && rows != nullptr) rows_staged();
-    if (warp == 0)
+    if (warp == 0) {
+      if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
       quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
                                     int(prow & 3), v_scales + at * (D / V_BLOCK));
+    }
   }
 }

@@ -326,11 +326,30 @@ __device__ __forceinline__ void block_scales(const float (&v)[PER], int lane, in
   }
 }
 
-// Every thread's copies of the staged factor have landed, and warp 0 sees them (the whole CTA
-// calls it: a barrier inside).
-__device__ __forceinline__ void rows_staged() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
+// The staged build's factor: the head's [D, D] fp32 rows into shared memory by one bulk copy, whose
+// bytes complete phase 0 of the mbarrier `bar` (one thread calls it, once per CTA).
+__device__ __forceinline__ void stage_rows(float4* dst, const float* __restrict__ src, unsigned long long* bar) {
+  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar)), d = uint32_t(__cvta_generic_to_shared(dst));
+  constexpr uint32_t kBytes = D * D * 4;  // at most 64 KB (STAGE_ROWS needs D <= 128)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the init, before the copy's bytes
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(kBytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(d), "l"(src), "r"(kBytes), "r"(b) : "memory");
+}
+
+// The staged factor has landed and the calling warp sees it (warp 0, before the chain; thread 0
+// initialised the mbarrier in step 2).
+__device__ __forceinline__ void rows_staged(unsigned long long* bar) {
+  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
+  __syncwarp();  // thread 0's init, seen by its warp (no CTA barrier follows it under the absmax rule)
+  asm volatile(
+      "{\n"
+      " .reg .pred done;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+      " @!done bra WAIT_%=;\n"
+      "}" ::"r"(b) : "memory");
 }
 
 // Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'

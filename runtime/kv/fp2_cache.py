@@ -115,8 +115,8 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
             load_feedback_kernel(D, dev)
         # The decode-write kernel's feedback rows: each factor row over its diagonal, the IEEE
         # quotients the torch loop and fp2_feedback.cu compute at each use (bit-identical codes).
-        # Fresh contiguous tensors, so 16-byte aligned: the kernel reads them in float4 and copies
-        # them with cp.async.
+        # Fresh contiguous tensors, so 16-byte aligned: the kernel reads them in float4 and stages
+        # them by one bulk copy, which needs that alignment.
         fb_rows = tuple(
             (p.feedback.float() / p.feedback.float().diagonal(dim1=-2, dim2=-1)[..., None]).contiguous()
             if s.feedback and p.feedback is not None else None
