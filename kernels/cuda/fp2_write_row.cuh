@@ -150,6 +150,10 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
   float sb[NB], ls[4];
 #pragma unroll
   for (int b = 0; b < NB; ++b) sb[b] = scale[b];
+  // x / s >= m_i, the one test the chain decides by and the codes are read back with after it
+  auto at_or_above = [&](float x, float s, int i) {
+    return EXACT ? !(__fdiv_rn(x, s) < m[i]) : !(__fmaf_rn(-s, m[i], x) < 0.f);
+  };
   auto next_block = [&]() {
 #pragma unroll
     for (int b = 0; b + 1 < NB; ++b) sb[b] = sb[b + 1];
@@ -176,10 +180,7 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
       }
       bool ge[3];
 #pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        if (!EXACT) ge[i] = !(__fmaf_rn(-sb[0], m[i], wf[j]) < 0.f);
-        else ge[i] = !(__fdiv_rn(wf[j], sb[0]) < m[i]);
-      }
+      for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], sb[0], i);
       if (lane == o) dec[j] = wf[j];
       // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
       const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
@@ -207,13 +208,11 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
     int q = 0;
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
+      q += int(at_or_above(dec[j], s, i));
       if (!EXACT) {
         const float r = __fmaf_rn(-s, m[i], dec[j]);
         const uint32_t tol = __float_as_uint(fmaxf(fmaxf(s * fabsf(m[i]) * 0x1p-21f, s * 0x1p-126f * 0x1p-22f), 0x1p-125f));
-        q += int(!(r < 0.f));
         near |= (__float_as_uint(r) ^ 0x80000000u) < tol;
-      } else {
-        q += int(!(__fdiv_rn(dec[j], s) < m[i]));
       }
     }
     packed |= uint32_t(q) << (2 * j);
