@@ -79,33 +79,32 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   __nv_bfloat16* hp = (side == 0 ? hp_k : hp_v) + (slot * H + h) * hp_rows * D;  // [R, D] of (slot, head)
   const __nv_bfloat16* y = (side == 0 ? yk : yv) + ((long long)b * H + h) * D;
 
-  // 1. the new token to its row; thread 0 starts the staged build's factor copy (its mbarrier's
-  // init is then ordered before every warp's wait by this step's barrier)
+  // 1. the new token to its row
+  if (threadIdx.x < D / 8)
+    reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
+  __syncthreads();
+
+  // 2. the new token, lane-strided, into every warp (the search is shared); the head's factor
+  // rows copied into shared memory (staged build) or asked of L2 (L2 build) now, so that the
+  // chain's register ring does not wait on DRAM
+  float v[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(y[32 * i + lane]);
   const float* rows = side == 0 ? k_rows : v_rows;  // [H, D, D], or null: nearest codes
   extern __shared__ float4 sh_rows4[];  // [D, D] fp32 with STAGE_ROWS
   __shared__ __align__(8) unsigned long long sh_rows_bar;  // the staged factor's arrival (STAGE_ROWS)
   if (rows != nullptr) {
     rows += (long long)h * D * D;
     if constexpr (STAGE_ROWS) {
-      // one bulk copy (the TMA unit) by thread 0, its completion counted on an mbarrier that every
-      // warp waits on before the chain: the threads' 4096 copies of 16 bytes took their issue time
-      // and went through the SM's load path beside the decode's (docs/fp2-kernel.md, "One bulk copy")
+      // one bulk copy (the TMA unit) by thread 0, its completion counted on an mbarrier that warp 0
+      // waits on before the chain: the threads' 4096 copies of 16 bytes took their issue time and
+      // went through the SM's load path beside the decode's (docs/fp2-kernel.md, "One bulk copy")
       if (threadIdx.x == 0) stage_rows(sh_rows4, rows, &sh_rows_bar);
       rows = reinterpret_cast<const float*>(sh_rows4);
+    } else {
+      for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
     }
-  }
-  if (threadIdx.x < D / 8)
-    reinterpret_cast<uint4*>(hp + row * D)[threadIdx.x] = reinterpret_cast<const uint4*>(y)[threadIdx.x];
-  __syncthreads();
-
-  // 2. the new token, lane-strided, into every warp (the search is shared); the L2 build asks L2
-  // for the head's factor rows now, so that the chain's register ring does not wait on DRAM
-  float v[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) v[i] = __bfloat162float(y[32 * i + lane]);
-  if (!STAGE_ROWS && rows != nullptr) {
-    for (int line = threadIdx.x; line < D * D / 32; line += NUM_THREADS)  // 128-byte lines
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows + 32 * line));
   }
   // 3. the tail moves up where the row flushes (uniform per CTA: the barriers inside are safe)
   if (flush && window > 0) shift_tail(hp + num_sinks * D, window);
@@ -113,27 +112,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
   // the scratch page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
-  if constexpr (K_BLOCK == V_BLOCK) {
-    // one path for both sides, so the kernel's code is one side's (see fp2_write_row.cuh's exact pass)
-    const float* levels = side == 0 ? k_levels : v_levels;
-    const bool quad = V_QUAD && side == 1;
-    float scale[D / K_BLOCK];
-    block_scales<K_BLOCK>(v, lane, warp, levels, fracs, (rules >> side) & 1, scale);
-    if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
-    quantize_row<K_BLOCK>(v, lane, warp, levels, scale, rows, quad,
-                          (side == 0 ? k_codes : v_codes) + (quad ? at & ~3LL : at) * (D / 16), int(prow & 3),
-                          (side == 0 ? k_scales : v_scales) + at * (D / K_BLOCK));
-  } else if (side == 0) {
+  if (side == 0) {
     float scale[D / K_BLOCK];
     block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
-    if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
-    quantize_row<K_BLOCK>(v, lane, warp, k_levels, scale, rows, false, k_codes + at * (D / 16), 0,
-                          k_scales + at * (D / K_BLOCK));
+    if (warp == 0) {
+      if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
+      quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
+                                   k_scales + at * (D / K_BLOCK));
+    }
   } else {
     float scale[D / V_BLOCK];
     block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
-    if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
-    quantize_row<V_BLOCK>(v, lane, warp, v_levels, scale, rows, V_QUAD, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
-                          int(prow & 3), v_scales + at * (D / V_BLOCK));
+    if (warp == 0) {
+      if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
+      quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
+                                    int(prow & 3), v_scales + at * (D / V_BLOCK));
+    }
   }
 }

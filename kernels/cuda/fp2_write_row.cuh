@@ -71,190 +71,176 @@ __device__ void shift_tail(__nv_bfloat16* row_s, int window) {
   }
 }
 
-// One float of the factor: shared memory (the staged build, plain loads) or global memory (the L2
-// build, through the read-only path)
-__device__ __forceinline__ float load_factor(const float* __restrict__ src) {
-  if constexpr (STAGE_ROWS) return *src;
-  else return __ldg(src);
+// PER consecutive factor columns of one row, this lane's (lane-major: columns PER * lane + j); SMEM:
+// the row is in shared memory (plain loads), else in global memory (through the read-only path)
+template <bool SMEM = bool(STAGE_ROWS)>
+__device__ __forceinline__ void load_cols(float (&dst)[PER], const float* __restrict__ src) {
+  if constexpr (PER % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < PER; j += 4) {
+      float4 x;
+      if constexpr (SMEM) x = *reinterpret_cast<const float4*>(src + j);
+      else x = __ldg(reinterpret_cast<const float4*>(src + j));
+      dst[j] = x.x, dst[j + 1] = x.y, dst[j + 2] = x.z, dst[j + 3] = x.w;
+    }
+  } else if constexpr (PER == 2) {
+    float2 x;
+    if constexpr (SMEM) x = *reinterpret_cast<const float2*>(src);
+    else x = __ldg(reinterpret_cast<const float2*>(src));
+    dst[0] = x.x, dst[1] = x.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if constexpr (SMEM) dst[j] = src[j];
+      else dst[j] = __ldg(src + j);
+    }
+  }
 }
 
-// The chain's slots across the CTA's warps. Slot i (channels 32 i .. 32 i + 31, lane-strided: lane l
-// holds channel 32 i + l) is decided by warp i % kRowWarps, after the slots before it; every other
-// warp that holds a later slot applies slot i's 32 errors to it when they are out (one named barrier
-// a slot, ids 1 .. PER - 1: 0 is __syncthreads').
-__host__ __device__ constexpr int slot_warp(int i) { return i % kRowWarps; }
-// warp w's last slot, or -1 where it holds none (D < 128)
-__host__ __device__ constexpr int last_slot(int w) { return w < PER ? w + (PER - 1 - w) / kRowWarps * kRowWarps : -1; }
-// the warps that wait on slot i's errors: those, other than its own, with a later slot
-__host__ __device__ constexpr int slot_waiters(int i) {
-  int n = 0;
-  for (int w = 0; w < kRowWarps; ++w) n += int(w != slot_warp(i) && last_slot(w) > i);
-  return n;
-}
-static_assert(PER <= 15, "a named barrier a slot");
+__host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+// Channels per pass of the chain's loop: whole lane groups (PER) and whole turns of the factor
+// ring (PREFETCH), so that both indices are compile-time inside it.
+constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
+static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
 
 // Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
-// over their diagonal (`rows`, [D, D]), warp WARP's slots. The torch body divides, z = v / s, and
-// counts the midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a
-// channel, so the fast pass tests r_i = v - s m_i instead: one fma, rounded once, so
-// !(r_i < 0) says v / s >= m_i exactly, except where r_i underflows to -0. The rounded quotient
-// differs from the exact one only where v / s lies just below m_i and rounds up onto it (within half
-// an ulp of m_i, at most s |m_i| 2^-24; within s 2^-150 of 0 where m_i is 0 or subnormal: a tiny
-// negative quotient rounds to -0, which counts). The fast pass flags any value whose r_i lies in
-// (-tol_i, -0], tol_i = max(s |m_i| 2^-21, s 2^-148, 2^-125), a band four times or more the widest
-// of these, and the caller then runs the exact pass, with the divisions. For the format's levels
-// (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact pass is
-// for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three tests are
-// monotone (m ascending, s > 0), so the level comes from them directly.
+// over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
+// midpoints z reaches (bucketize, right=True). On the chain a division is ~40 cycles a channel, so
+// the fast pass (!EXACT) tests r_i = v - s m_i instead: one fma, rounded once, so !(r_i < 0) says
+// v / s >= m_i exactly, except where r_i underflows to -0. The rounded quotient differs from the
+// exact one only where v / s lies just below m_i and rounds up onto it (within half an ulp of m_i,
+// at most s |m_i| 2^-24; within s 2^-150 of 0 where m_i is 0 or subnormal: a tiny negative
+// quotient rounds to -0, which counts). The fast pass flags any value whose r_i lies in
+// (-tol_i, -0], tol_i = max(s |m_i| 2^-21, s 2^-148, 2^-125), a band four times or more the
+// widest of these, and the caller then runs the exact pass, with the divisions. For the format's
+// levels (e5m2) times its scales (e4m3, E8M0) the band holds no float beside m_i != 0, so the exact
+// pass is for tiny values and for other levels. NaN counts either way (!(NaN < x)). The three
+// tests are monotone (m ascending, s > 0), so the level comes from them directly.
 //
-// Why the chain is spread over the warps. A write costs the decode beside it about the
-// instructions its busiest warp issues: the write's CTAs share SMs with the next layer's decode,
-// whose warps the issue slots bound, and the decode ends with its slowest split. With the whole
-// chain in one warp, every channel's error went to all D running values (2 D / 32 instructions a
-// channel, 27 in all: 3456 at D = 128, ~1.8 us of the decode at B = 1, L = 32k on an H100,
-// docs/fp2-kernel.md "The chain across the warps"). Here a warp keeps only its own slots' values:
-// while it decides slot i, every error goes to its own 32 channels (the lanes already decided
-// waste theirs: a branch costs more), and the errors of earlier slots come from shared memory in
-// one pass each, 32 products and subtractions. Each value still takes every earlier error in
-// channel order, rounded as the reference rounds it (products rounded before each subtraction):
-// the same bits. What it costs is latency: a warp applies the slot before its own before starting.
+// The chain as a loop, not unrolled over D: a warp runs it once, so its instructions come from
+// memory, not the instruction cache; fully unrolled (D steps, ~16 k instructions in the kernel) it
+// spent a third of its cycles waiting on instruction fetch (Nsight Compute, H200). Lane-major: lane
+// o holds channels PER * o + j, so PER - 1 of every PER steps find the next channel in the same
+// lane. Each lane keeps two copies: wt, every error applied as it is shuffled out (the true values,
+// in the reference's order), and wf, the group owner's own errors applied without waiting for the
+// shuffle (the chain: decide, error, update the next channel). At a group's start its owner's wf
+// is its wt, whose last error came by shuffle: one shuffle on the chain per PER channels. sh_v:
+// the row, lane-strided ([D], channel 32 i + lane at 32 i + lane); codes come back lane-strided.
 //
-// The chain proper (decide, error, shuffle it out, update) is one shuffle deep a channel: lane t
-// owns channel 32 i + t. The loop is rolled by PREFETCH channels, a turn of the factor ring, so that
-// the ring's index stays compile-time (unrolled over D the chain waited on instruction fetch: a
-// third of its cycles, Nsight Compute, H200). The owner keeps the value it decided from (dec); after
-// the loop every lane derives its own channels' codes and band test from it, with the same tests.
-template <int BS, int WARP>
-__device__ __forceinline__ bool feedback_warp(const float (&v)[PER], int (&code)[PER], int lane,
-                                              const float* __restrict__ rows, const float (&scale)[D / BS],
-                                              const float (&m)[3], const float (&l)[4], float* __restrict__ sh_err) {
-  // x / s >= m_i but where the band test below flags x, the one test the chain decides by and the
-  // codes are read back with after it
-  auto at_or_above = [&](float x, float s, int i) { return !(__fmaf_rn(-s, m[i], x) < 0.f); };
-  // the level x is placed on, times the scale (ls: the four products): the three tests side by
-  // side, then two selects deep, the tests being monotone (ge2 -> ge1 -> ge0). (The tests inside
-  // the selects' arms are evaluated one after the other, each behind the last one's predicate.)
-  auto level_times_scale = [&](float x, float s, const float (&ls)[4]) {
-    const bool ge0 = at_or_above(x, s, 0), ge1 = at_or_above(x, s, 1), ge2 = at_or_above(x, s, 2);
-    return ge1 ? (ge2 ? ls[3] : ls[2]) : (ge0 ? ls[1] : ls[0]);
+// The chain carries only what the next channel needs: the level's product with the scale comes
+// from a table made once a block (the same fmul), and the owner keeps the value it decided from
+// (dec), from which every lane derives its own codes and band test after the loop, all lanes at
+// once. In the loop, the codes, their packing, the band test and the level's product took 20 of
+// 47 instructions a channel (NVRTC 13.0; 27 without them), and a write's CTA 1.5 us more on an
+// H100 (docs/fp2-kernel.md, "The chain without its codes").
+template <int BS, bool EXACT>
+__device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, int (&code)[PER], int lane,
+                                               const float* __restrict__ rows, const float (&scale)[D / BS],
+                                               const float (&m)[3], const float (&l)[4]) {
+  constexpr int NB = D / BS;
+  float wt[PER], wf[PER], dec[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
+  float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
+#pragma unroll
+  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
+  // Per block: its scale, the current block's first; the loop moves them down one at each block
+  // boundary (an index by the loop's channel would put them in local memory). ls: the current
+  // block's levels times its scale, as the reference's error takes them.
+  float sb[NB], ls[4];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) sb[b] = scale[b];
+  // x / s >= m_i, the one test the chain decides by and the codes are read back with after it
+  auto at_or_above = [&](float x, float s, int i) {
+    return EXACT ? !(__fdiv_rn(x, s) < m[i]) : !(__fmaf_rn(-s, m[i], x) < 0.f);
   };
-  float x[PER], dec[PER];  // this warp's slots: running values, then the values decided from
+  auto next_block = [&]() {
 #pragma unroll
-  for (int i = 0; i < PER; ++i) x[i] = v[i], dec[i] = 0.f;
+    for (int b = 0; b + 1 < NB; ++b) sb[b] = sb[b + 1];
+  };
+  auto block_levels = [&]() {
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    if (slot_warp(i) == WARP) {
-      // slot i's chain; every slot of this warp from i on takes its errors
-      const float s = scale[32 * i / BS];  // a slot lies in one block (BS % 32 == 0)
-      float ls[4];  // the levels times the scale, as the reference's error takes them
-#pragma unroll
-      for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], s);
-      float ring[PREFETCH][PER];  // ring[t % PREFETCH][i2]: row 32 i + t of the factor, slot i2's column
-#pragma unroll
-      for (int p = 0; p < PREFETCH; ++p)
-#pragma unroll
-        for (int i2 = i; i2 < PER; i2 += kRowWarps) ring[p][i2] = load_factor(rows + (32 * i + p) * D + 32 * i2 + lane);
+    for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], sb[0]);
+  };
+  block_levels();
 #pragma unroll 1
-      for (int t0 = 0; t0 < 32; t0 += PREFETCH) {
+  for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
+    if constexpr (BS % CHAIN_STEP == 0) {
+      if (c0 > 0 && c0 % BS == 0) next_block(), block_levels();
+    }
 #pragma unroll
-        for (int u = 0; u < PREFETCH; ++u) {
-          const int t = t0 + u;
-          const float err_own = __fsub_rn(x[i], level_times_scale(x[i], s, ls));
-          if (lane == t) dec[i] = x[i];
-          const float err = __shfl_sync(kFull, err_own, t);
-#pragma unroll
-          for (int i2 = i; i2 < PER; i2 += kRowWarps) x[i2] = __fsub_rn(x[i2], __fmul_rn(ring[u][i2], err));
-          if (t0 + PREFETCH < 32) {
-#pragma unroll
-            for (int i2 = i; i2 < PER; i2 += kRowWarps)
-              ring[u][i2] = load_factor(rows + (32 * i + t + PREFETCH) * D + 32 * i2 + lane);
-          }
-        }
+    for (int t = 0; t < CHAIN_STEP; ++t) {
+      const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
+      if constexpr (BS % CHAIN_STEP != 0) {
+        if (c > 0 && c % BS == 0) next_block(), block_levels();
       }
-      if (slot_waiters(i) > 0) {
-        // the slot's errors out: the owner's, remade from the value it decided from (the same bits)
-        sh_err[32 * i + lane] = __fsub_rn(dec[i], level_times_scale(dec[i], s, ls));
-        asm volatile("bar.arrive %0, %1;" ::"r"(1 + i), "r"(32 * (1 + slot_waiters(i))) : "memory");
-      }
-    } else if (last_slot(WARP) > i) {
-      // slot i's errors, channel by channel, to this warp's later slots (rolled: see the exact pass)
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + i), "r"(32 * (1 + slot_waiters(i))) : "memory");
-#pragma unroll 1
-      for (int t0 = 0; t0 < 32; t0 += 8) {
-        const float4 e0 = *reinterpret_cast<const float4*>(sh_err + 32 * i + t0);
-        const float4 e1 = *reinterpret_cast<const float4*>(sh_err + 32 * i + t0 + 4);
-        const float err[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
+      if (j == 0) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
-#pragma unroll
-          for (int i2 = WARP; i2 < PER; i2 += kRowWarps)
-            if (i2 > i)
-              x[i2] = __fsub_rn(x[i2], __fmul_rn(load_factor(rows + (32 * i + t0 + u) * D + 32 * i2 + lane), err[u]));
+        for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
       }
+      bool ge[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], sb[0], i);
+      if (lane == o) dec[j] = wf[j];
+      // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
+      const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
+      const float err_own = __fsub_rn(wf[j], lvl_s);
+#pragma unroll
+      for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
+      const float err = __shfl_sync(kFull, err_own, o);
+      // every lane's channels, those <= c too (never read again; a branch costs more)
+#pragma unroll
+      for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
+      if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
   }
-  // This warp's codes from the values decided from, and the band test, -tol < r <= -0, on the bits:
-  // |r| < tol with the sign bit set is (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma
-  // that underflows keeps the sign).
+  // Each lane's own channels, from the values it decided them from, with the same tests: the code,
+  // and the band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
+  // (bits(r) ^ sign) < bits(tol), unsigned (-0 included: an fma that underflows keeps the sign).
   bool near = false;
+  uint32_t packed = 0;  // the lane's codes, 2 bits per channel of its group
 #pragma unroll
-  for (int i = WARP; i < PER; i += kRowWarps) {
-    const float s = scale[32 * i / BS];
+  for (int j = 0; j < PER; ++j) {
+    float s = scale[0];  // channel PER * lane + j's block (a group may straddle two: D = 96, PER = 3)
+#pragma unroll
+    for (int b = 1; b < NB; ++b)
+      if (PER * lane + j >= b * BS) s = scale[b];
     int q = 0;
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      q += int(at_or_above(dec[i], s, k));
-      const float r = __fmaf_rn(-s, m[k], dec[i]);
-      const uint32_t tol = __float_as_uint(fmaxf(fmaxf(s * fabsf(m[k]) * 0x1p-21f, s * 0x1p-126f * 0x1p-22f), 0x1p-125f));
-      near |= (__float_as_uint(r) ^ 0x80000000u) < tol;
+    for (int i = 0; i < 3; ++i) {
+      q += int(at_or_above(dec[j], s, i));
+      if (!EXACT) {
+        const float r = __fmaf_rn(-s, m[i], dec[j]);
+        const uint32_t tol = __float_as_uint(fmaxf(fmaxf(s * fabsf(m[i]) * 0x1p-21f, s * 0x1p-126f * 0x1p-22f), 0x1p-125f));
+        near |= (__float_as_uint(r) ^ 0x80000000u) < tol;
+      }
     }
-    code[i] = q;
+    packed |= uint32_t(q) << (2 * j);
   }
+  // back to lane-strided: channel 32 i + lane is field (32 i + lane) % PER of lane (32 i + lane) / PER
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    code[i] = int(__shfl_sync(kFull, packed, (32 * i + lane) / PER) >> (2 * ((32 * i + lane) % PER))) & 3;
   return near;
 }
 
-// Step 4's fast-pass codes for the calling warp's slots (code[i], i % kRowWarps == warp; the others
-// stay 0); true where one of this lane's values lies in the band. Every warp of the CTA calls it.
-template <int BS>
-__device__ __forceinline__ bool feedback_codes(const float (&v)[PER], int (&code)[PER], int lane, int warp,
-                                               const float* __restrict__ rows, const float (&scale)[D / BS],
-                                               const float (&m)[3], const float (&l)[4], float* __restrict__ sh_err) {
-  static_assert(kRowWarps == 4, "one case a warp");
-  switch (warp) {
-    case 0: return feedback_warp<BS, 0>(v, code, lane, rows, scale, m, l, sh_err);
-    case 1: return feedback_warp<BS, 1>(v, code, lane, rows, scale, m, l, sh_err);
-    case 2: return feedback_warp<BS, 2>(v, code, lane, rows, scale, m, l, sh_err);
-    default: return feedback_warp<BS, 3>(v, code, lane, rows, scale, m, l, sh_err);
-  }
-}
-
-// The exact pass, with the divisions (the torch body's z = v / s against the midpoints), where the
-// fast pass flagged a value: warp 0 alone, the running values in shared memory (sh_x: the row in
-// channel order, [D], consumed), channel by channel in the reference's order; codes to sh_code [D].
-// It runs for tiny values and for levels other than the format's, so it is written for size, not
-// speed: rolled, and out of line, where its code lies past the kernel's own. Code among the paths a
-// launch runs costs the launch even where no warp runs it (95 KB of never-run code inside the
-// kernel added 8 us to a write, the same in a function after it 0.4 us: docs/fp2-kernel.md, "The
-// chain across the warps").
+// The exact pass, out of line so that the fast pass keeps its registers (inlined beside it, the
+// two cost 255 registers and spills at D = 128 with 32-channel key blocks, NVRTC 13.0). Its
+// inputs and codes go through shared memory (arrays by reference would put the fast pass's
+// arrays in local memory too): v and the scales as the fast pass found them, codes [D] back.
 template <int BS>
 __device__ __noinline__ void feedback_codes_exact(const float* __restrict__ rows, int lane, float m0, float m1,
                                                   float m2, float l0, float l1, float l2, float l3,
-                                                  float* __restrict__ sh_x, const float* __restrict__ sh_scale,
+                                                  const float* __restrict__ sh_v, const float* __restrict__ sh_scale,
                                                   int* __restrict__ sh_code) {
-#pragma unroll 1
-  for (int c = 0; c < D; ++c) {
-    const float s = sh_scale[c / BS], x = sh_x[c];  // channel c, with every error before it applied
-    const int q = int(!(__fdiv_rn(x, s) < m0)) + int(!(__fdiv_rn(x, s) < m1)) + int(!(__fdiv_rn(x, s) < m2));
-    const float err = __fsub_rn(x, __fmul_rn(q == 3 ? l3 : q == 2 ? l2 : q == 1 ? l1 : l0, s));
-    __syncwarp();  // every lane has read channel c before any lane updates
-    if (lane == 0) sh_code[c] = q;
+  float scale[D / BS];
+  int code[PER] = {};
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int j = 32 * i + lane;
-      if (j > c) sh_x[j] = __fsub_rn(sh_x[j], __fmul_rn(rows[c * D + j], err));
-    }
-    __syncwarp();
-  }
+  for (int b = 0; b < D / BS; ++b) scale[b] = sh_scale[b];
+  const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
+  feedback_codes<BS, true>(sh_v, code, lane, rows, scale, m, l);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) sh_code[32 * i + lane] = code[i];
 }
 
 // Step 4's scales for one side (BS channels per block), the MSE search shared by every warp of the
@@ -351,10 +337,11 @@ __device__ __forceinline__ void stage_rows(float4* dst, const float* __restrict_
                ::"r"(d), "l"(src), "r"(kBytes), "r"(b) : "memory");
 }
 
-// The staged factor has landed and the calling warp sees it (every warp, before the chain; thread 0
-// initialised the mbarrier before step 1's CTA barrier).
+// The staged factor has landed and the calling warp sees it (warp 0, before the chain; thread 0
+// initialised the mbarrier in step 2).
 __device__ __forceinline__ void rows_staged(unsigned long long* bar) {
   const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
+  __syncwarp();  // thread 0's init, seen by its warp (no CTA barrier follows it under the absmax rule)
   asm volatile(
       "{\n"
       " .reg .pred done;\n"
@@ -364,71 +351,67 @@ __device__ __forceinline__ void rows_staged(unsigned long long* bar) {
       "}" ::"r"(b) : "memory");
 }
 
-// Step 4's codes and step 5 for one side, every warp of the CTA, each its own slots (slot i: channels
-// 32 i + lane, warp i % kRowWarps); v: the row, lane-strided; scale: the blocks' scales. words: the
-// row's D/16 words, or with quad its quad's D/4 words, the row being token quad_token (0..3).
-template <int BS>
-__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, int warp, const float* __restrict__ lv,
-                                             const float (&scale)[D / BS], const float* __restrict__ rows,
-                                             bool quad, uint32_t* __restrict__ words, int quad_token,
-                                             uint8_t* __restrict__ scale_bytes) {
+// Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'
+// scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being token
+// quad_token (0..3).
+template <int BS, bool QUAD>
+__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
+                             const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
+                             uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
   const float m1 = __fmul_rn(__fadd_rn(l2, l1), 0.5f);
   const float m2 = __fmul_rn(__fadd_rn(l3, l2), 0.5f);
 
-  // the chain's slot errors; the exact pass's row, scales and codes (feedback_codes_exact)
-  __shared__ __align__(16) float sh_err[D];
+  // the chain's row, scales and codes (feedback_codes_exact)
   __shared__ float sh_v[D], sh_scale[D / 32];
   __shared__ int sh_code[D];
   int code[PER] = {};
   if (rows == nullptr) {
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      if (slot_warp(i) != warp) continue;
       const float z = __fdiv_rn(v[i], scale[i / SPB]);
       code[i] = int(!(z < m0)) + int(!(z < m1)) + int(!(z < m2));  // bucketize(right=True)
     }
   } else {
     const float m[3] = {m0, m1, m2}, l[4] = {l0, l1, l2, l3};
 #pragma unroll
-    for (int i = 0; i < PER; ++i)
-      if (slot_warp(i) == warp) sh_v[32 * i + lane] = v[i];
-    if (threadIdx.x == 0) {
+    for (int i = 0; i < PER; ++i) sh_v[32 * i + lane] = v[i];
+    if (lane == 0) {
 #pragma unroll
       for (int b = 0; b < NB; ++b) sh_scale[b] = scale[b];  // (scale[lane] would put scale in local memory)
     }
-    // rows is uniform per CTA, so every thread meets the barrier; it also orders sh_scale and sh_v
-    // before the exact pass, and the fast pass's reads of sh_err before the exact pass's stores
-    if (__syncthreads_or(feedback_codes<BS>(v, code, lane, warp, rows, scale, m, l, sh_err))) {
-      if (warp == 0) feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh_v, sh_scale, sh_code);
-      __syncthreads();  // (the branch is uniform per CTA)
+    __syncwarp();  // sh_v is read across lanes
+    if (__any_sync(kFull, feedback_codes<BS, false>(sh_v, code, lane, rows, scale, m, l))) {
+      feedback_codes_exact<BS>(rows, lane, m0, m1, m2, l0, l1, l2, l3, sh_v, sh_scale, sh_code);
+      __syncwarp();
 #pragma unroll
-      for (int i = 0; i < PER; ++i)
-        if (slot_warp(i) == warp) code[i] = sh_code[32 * i + lane];
+      for (int i = 0; i < PER; ++i) code[i] = sh_code[32 * i + lane];
     }
   }
 
+  if constexpr (QUAD) {
+    // Quad word (g, k) = g * PER + k holds, in byte quad_token, the channels 32k + 8f + g (f = 0..3,
+    // field f): lanes g, g + 8, g + 16, g + 24 of slot k.
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    if (slot_warp(i) != warp) continue;
-    if (quad) {
-      // Quad word (g, k) = g * PER + k holds, in byte quad_token, the channels 32k + 8f + g (f = 0..3,
-      // field f): lanes g, g + 8, g + 16, g + 24 of slot k.
+    for (int i = 0; i < PER; ++i) {
       uint32_t x = uint32_t(code[i]) << (2 * (lane >> 3));
       x |= __shfl_xor_sync(kFull, x, 8);
       x |= __shfl_xor_sync(kFull, x, 16);
       if (lane < 8) reinterpret_cast<uint8_t*>(words)[4 * (lane * PER + i) + quad_token] = uint8_t(x);
-    } else {
-      // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
+    }
+  } else {
+    // 16 codes to a word, code j at bits 2j: word 2i holds lanes 0..15 of slot i, word 2i + 1 lanes 16..31
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
       uint32_t w = uint32_t(code[i]) << (2 * (lane & 15));
 #pragma unroll
       for (int off = 1; off < 16; off <<= 1) w |= __shfl_xor_sync(kFull, w, off);
       if ((lane & 15) == 0) words[2 * i + (lane >> 4)] = w;
     }
   }
-  if (threadIdx.x == 0) {
+  if (lane == 0) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) scale_bytes[b] = uint8_t(zd::encode_scale<SCALE_FMT>(scale[b]));
   }
