@@ -37,7 +37,10 @@
 // instruction fetch); 13-15 with the factor copied into shared memory while the search runs (H200,
 // docs/benchmarks.md); on an H100, 11.8-12.0 against 13.3-13.6 at B = 8 with the chain carrying
 // only what the next channel needs (fp2_write_row.cuh); on the H200, 11.7-11.9 against 12.0-12.2
-// with the factor staged by one bulk copy instead of 4096 cp.async of 16 bytes.
+// with the factor staged by one bulk copy instead of 4096 cp.async of 16 bytes. Where K_BLOCK ==
+// V_BLOCK both sides run one instance of steps 4 and 5 (41 KB of code instead of 68): code a launch
+// runs past costs it, and a write's code shares the SM's instruction caches with the decode's
+// (docs/fp2-kernel.md, "Code a launch runs past").
 //
 // Hazards. Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
@@ -112,21 +115,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   // 4, 5. scales (every warp), codes and stores at (page, page row): the new token's own page, or
   // the scratch page (warp 0)
   const long long at = (page * H + h) * page_size + prow;
-  if (side == 0) {
+  if constexpr (K_BLOCK == V_BLOCK) {
+    // one instance for both sides (the format's default): the side picks the pointers and the
+    // packing at run time, and the kernel's code is one side's (see the header: code among the
+    // paths a launch runs costs it)
+    const float* levels = side == 0 ? k_levels : v_levels;
+    const bool quad = V_QUAD && side == 1;
+    float scale[D / K_BLOCK];
+    block_scales<K_BLOCK>(v, lane, warp, levels, fracs, (rules >> side) & 1, scale);
+    if (warp == 0) {
+      if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
+      quantize_row<K_BLOCK>(v, lane, quad, levels, scale, rows,
+                            (side == 0 ? k_codes : v_codes) + (quad ? at & ~3LL : at) * (D / 16), int(prow & 3),
+                            (side == 0 ? k_scales : v_scales) + at * (D / K_BLOCK));
+    }
+  } else if (side == 0) {
     float scale[D / K_BLOCK];
     block_scales<K_BLOCK>(v, lane, warp, k_levels, fracs, rules & 1, scale);
     if (warp == 0) {
       if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
-      quantize_row<K_BLOCK, false>(v, lane, k_levels, scale, rows, k_codes + at * (D / 16), 0,
-                                   k_scales + at * (D / K_BLOCK));
+      quantize_row<K_BLOCK>(v, lane, false, k_levels, scale, rows, k_codes + at * (D / 16), 0,
+                            k_scales + at * (D / K_BLOCK));
     }
   } else {
     float scale[D / V_BLOCK];
     block_scales<V_BLOCK>(v, lane, warp, v_levels, fracs, (rules >> 1) & 1, scale);
     if (warp == 0) {
       if (STAGE_ROWS && rows != nullptr) rows_staged(&sh_rows_bar);
-      quantize_row<V_BLOCK, V_QUAD>(v, lane, v_levels, scale, rows, v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16),
-                                    int(prow & 3), v_scales + at * (D / V_BLOCK));
+      quantize_row<V_BLOCK>(v, lane, V_QUAD, v_levels, scale, rows,
+                            v_codes + (V_QUAD ? at & ~3LL : at) * (D / 16), int(prow & 3),
+                            v_scales + at * (D / V_BLOCK));
     }
   }
 }

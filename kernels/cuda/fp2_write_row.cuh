@@ -352,12 +352,14 @@ __device__ __forceinline__ void rows_staged(unsigned long long* bar) {
 }
 
 // Step 4's codes and step 5 for one side, one warp; v: the row, lane-strided; scale: the blocks'
-// scales. words: the row's D/16 words, or with QUAD its quad's D/4 words, the row being token
-// quad_token (0..3).
-template <int BS, bool QUAD>
-__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const float* __restrict__ lv, const float (&scale)[D / BS],
-                             const float* __restrict__ rows, uint32_t* __restrict__ words, int quad_token,
-                             uint8_t* __restrict__ scale_bytes) {
+// scales. words: the row's D/16 words, or with quad its quad's D/4 words, the row being token
+// quad_token (0..3). quad is a run-time flag so that keys and values can share one instance (the
+// packing is all that differs).
+template <int BS>
+__device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, bool quad, const float* __restrict__ lv,
+                                             const float (&scale)[D / BS], const float* __restrict__ rows,
+                                             uint32_t* __restrict__ words, int quad_token,
+                                             uint8_t* __restrict__ scale_bytes) {
   constexpr int NB = D / BS, SPB = BS / 32;  // blocks per token, slots per block
   const float l0 = lv[0], l1 = lv[1], l2 = lv[2], l3 = lv[3];
   const float m0 = __fmul_rn(__fadd_rn(l1, l0), 0.5f);
@@ -391,7 +393,7 @@ __device__ __forceinline__ void quantize_row(float (&v)[PER], int lane, const fl
     }
   }
 
-  if constexpr (QUAD) {
+  if (quad) {
     // Quad word (g, k) = g * PER + k holds, in byte quad_token, the channels 32k + 8f + g (f = 0..3,
     // field f): lanes g, g + 8, g + 16, g + 24 of slot k.
 #pragma unroll
