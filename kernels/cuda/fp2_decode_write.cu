@@ -38,9 +38,10 @@
 // docs/benchmarks.md); on an H100, 11.8-12.0 against 13.3-13.6 at B = 8 with the chain carrying
 // only what the next channel needs (fp2_write_row.cuh); on the H200, 11.7-11.9 against 12.0-12.2
 // with the factor staged by one bulk copy instead of 4096 cp.async of 16 bytes. Where K_BLOCK ==
-// V_BLOCK both sides run one instance of steps 4 and 5 (41 KB of code instead of 68): code a launch
-// runs past costs it, and a write's code shares the SM's instruction caches with the decode's
-// (docs/fp2-kernel.md, "Code a launch runs past").
+// V_BLOCK both sides run one instance of steps 4 and 5 (41 KB of code instead of 68): as fast
+// alone, and 0.5-0.7 us a layer cheaper beside the decode at B = 8, L = 32k on an H100, perhaps
+// because a write's code shares the SM's instruction caches with the decode's (docs/fp2-kernel.md,
+// "Code a launch runs past").
 //
 // Hazards. Step 3 moves the rows in chunks, every chunk read whole
 // before any thread stores it, so a store never lands on a row a later chunk still reads. The
@@ -117,8 +118,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
   const long long at = (page * H + h) * page_size + prow;
   if constexpr (K_BLOCK == V_BLOCK) {
     // one instance for both sides (the format's default): the side picks the pointers and the
-    // packing at run time, and the kernel's code is one side's (see the header: code among the
-    // paths a launch runs costs it)
+    // packing at run time, so the kernel's code is one side's (see the header)
     const float* levels = side == 0 ? k_levels : v_levels;
     const bool quad = V_QUAD && side == 1;
     float scale[D / K_BLOCK];
