@@ -291,41 +291,16 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
     least, greatest = torch.cuda.Stream.priority_range()
     side, capture = torch.cuda.Stream(priority=least), torch.cuda.Stream(priority=greatest)
 
-    from cuda.bindings import driver as drv
-
-    def programmatic_after(dst: torch.cuda.Stream, src: torch.cuda.Stream) -> None:
-        # dst.s next captured node may start once every CTA of src's last node
-        # has run griddepcontrol.launch_dependents (the decode's splits, before their merge)
-        err, status, _, _, deps, _, n = drv.cuStreamGetCaptureInfo(src.cuda_stream)
-        assert err == drv.CUresult.CUDA_SUCCESS, err
-        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
-            return
-        assert n == 1, n
-        e = drv.CUgraphEdgeData()
-        e.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
-        e.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-        (err,) = drv.cuStreamUpdateCaptureDependencies(
-            dst.cuda_stream, [deps[0]], [e], 1, drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES
-        )
-        assert err == drv.CUresult.CUDA_SUCCESS, err
-
     def layers(n: int, defer: bool):
         def run():
-            cur = torch.cuda.current_stream()
             for i in range(n):
                 if defer:
                     best(q, layer, shorts[i], max_len=L, num_splits=forced, pending=pendings[i])
-                    if i > 0:  # layer i - 1's write: after its decode, and started by this one's tail
-                        programmatic_after(side, cur)
-                        with torch.cuda.stream(side):
-                            pendings[i - 1].write()
-                    side.wait_stream(cur)
+                    pendings[i].write_after(side)
                 else:
                     best(q, layer, batch, max_len=L, num_splits=forced)
             if defer:
-                with torch.cuda.stream(side):
-                    pendings[n - 1].write()
-                cur.wait_stream(side)  # the engine's step end (StaticAttention.join)
+                torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
 
         return run
 

@@ -173,7 +173,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                  num_splits, reinterpret_cast<float*>(smem_raw), pending);
     ZD_STAMP(3, globaltimer());
     ZD_STAMP(6, 2);
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // a programmatic dependent may start (stop 44, not kept)
     finish(row);
     ZD_STAMP(4, globaltimer());
     return;
@@ -433,7 +432,6 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   }
   ZD_STAMP(3, globaltimer());
   ZD_STAMP(6, 1);
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // a programmatic dependent may start (stop 44, not kept)
   finish(blockIdx.x / num_splits);
   ZD_STAMP(4, globaltimer());
 }
