@@ -38,8 +38,8 @@
 // docs/benchmarks.md); on an H100, 11.8-12.0 against 13.3-13.6 at B = 8 with the chain carrying
 // only what the next channel needs (fp2_write_row.cuh); on the H200, 11.7-11.9 against 12.0-12.2
 // with the factor staged by one bulk copy instead of 4096 cp.async of 16 bytes. Where K_BLOCK ==
-// V_BLOCK both sides run one instance of steps 4 and 5 (41 KB of code instead of 68): as fast
-// alone, and 0.5-0.7 us a layer cheaper beside the decode at B = 8, L = 32k on an H100, perhaps
+// V_BLOCK both sides run one instance of steps 4 and 5 (41 KB of code instead of 68): within 0.3
+// us alone, and 0.5-0.7 us a layer cheaper beside the decode at B = 8, L = 32k on an H100, perhaps
 // because a write's code shares the SM's instruction caches with the decode's (docs/fp2-kernel.md,
 // "Code a launch runs past").
 //
