@@ -174,8 +174,7 @@ class Fp2Kernels:
         v_scales: torch.Tensor,
         levels: torch.Tensor,  # [8] fp32
         block_table: torch.Tensor,  # [B, max_pages] int32
-        fp2_lo: torch.Tensor,  # [B] int32
-        fp2_hi: torch.Tensor,  # [B] int32
+        fp2_len: torch.Tensor,  # [B] int32: sequence b attends its FP2 tokens [0, fp2_len[b])
         split_tokens: int,
         num_splits: int,
         o_part: torch.Tensor,  # [B, Hq, S, D] fp32 workspace, S > num_splits (slot num_splits: bf16 tokens)
@@ -201,7 +200,7 @@ class Fp2Kernels:
             # dense pools of fewer than 2^32 token rows (Fp2DecodeAttention.check): no strides
             ptr(q), np.float32(q_scale), ptr(k_codes), ptr(k_scales), ptr(v_codes), ptr(v_scales), ptr(levels),
             ptr(block_table), np.int32(block_table.stride(0)), np.int32(k_codes.shape[2]),
-            ptr(fp2_lo), ptr(fp2_hi), np.int32(split_tokens), np.int32(num_splits), np.int32(Hkv), np.int32(S),
+            ptr(fp2_len), np.int32(split_tokens), np.int32(num_splits), np.int32(Hkv), np.int32(S),
             ptr(o_part), ptr(ml_part),
             ptr(hp_k), ptr(hp_v), ptr(hp_len), ptr(hp_slot), np.int64(hp_k.stride(0)), np.int64(hp_k.stride(1)),
             np.int32(hp_k.shape[2]), ptr(row_done), ptr(out),

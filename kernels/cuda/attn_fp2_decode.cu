@@ -9,7 +9,7 @@
 // One launch does the whole attention. A row is one (sequence b, KV head h): S split CTAs over its
 // FP2 tokens and one bf16 CTA over its sinks and tail each write a partial, and the last of them
 // to finish merges the row's partials and normalises (attn_fp2_decode_merge.cuh). Split CTA s of
-// the row covers FP2 tokens [lo + s * split_tokens, ...) (lo aligned down to 32), in stages of 32
+// the row covers FP2 tokens [s * split_tokens, ...) of its [0, fp2_len), in stages of 32
 // tokens (never across a page: P % 32 == 0); warp w takes stages w, w + NUM_WARPS, ... through
 // its own STAGES-deep cp.async ring, so the main loop needs no block barrier. Each warp keeps an
 // online softmax per head; at the end the warps are combined through shared memory and the CTA
@@ -104,7 +104,7 @@ ZD_DEVICE unsigned long long sm_id() {
 // v_codes / v_scales: the same for values
 // levels   [8] fp32: 4 key levels then 4 value levels (fp16-exact)
 // block_table [B, bt_stride] int32 page ids over FP2 token index (token f in page f / P, slot f % P)
-// fp2_lo / fp2_hi [B] int32: the FP2 tokens [lo, hi) to attend to
+// fp2_len  [B] int32: each sequence attends its FP2 tokens [0, fp2_len)
 // o_part   [B, Hq, max_splits, D] fp32 unnormalised partial outputs (V channels in stored order);
 //          slots 0..S-1 the FP2 splits, slot S the bf16 tokens (max_splits > S)
 // ml_part  [B, Hq, max_splits, 2] fp32 (running max in log2 units, sum of exponentials)
@@ -127,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
                     const uint8_t* __restrict__ k_scales, const uint32_t* __restrict__ v_codes,
                     const uint8_t* __restrict__ v_scales, const float* __restrict__ levels,
                     const int32_t* __restrict__ block_table, int bt_stride, int page_size,
-                    const int32_t* __restrict__ fp2_lo, const int32_t* __restrict__ fp2_hi, int split_tokens,
+                    const int32_t* __restrict__ fp2_len, int split_tokens,
                     int num_splits, int num_kv_heads, int max_splits, float* __restrict__ o_part,
                     float* __restrict__ ml_part, const __nv_bfloat16* __restrict__ hp_k,
                     const __nv_bfloat16* __restrict__ hp_v, const int32_t* __restrict__ hp_len,
@@ -143,16 +143,15 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const bool bf16_cta = int(blockIdx.x) >= fp2_ctas;
   const int row = bf16_cta ? blockIdx.x - fp2_ctas : blockIdx.x / num_splits;
   const int kvh = row % num_kv_heads, b = row / num_kv_heads;
-  const int lo = fp2_lo[b], hi = fp2_hi[b];
-  const int base = lo & ~(TOK - 1);
+  const int hi = fp2_len[b];
   const size_t head0 = size_t(b) * num_q_heads + kvh * GROUP;  // the row's first query head
   // The row's bookkeeping for finish_row, derived again where it is used rather than kept in
   // registers across the main loop (the range is read again through L2, so the compiler cannot
   // keep the first read alive instead).
   auto finish = [&](int row) {
-    const int b = row / num_kv_heads, lo = __ldcg(fp2_lo + b), hi = __ldcg(fp2_hi + b);
+    const int hi = __ldcg(fp2_len + row / num_kv_heads);
     const size_t head0 = size_t(row) * GROUP;  // == b * Hq + kvh * G
-    const int n_need = hi > lo ? (hi - (lo & ~(TOK - 1)) + split_tokens - 1) / split_tokens : 0;  // splits the range needs
+    const int n_need = (hi + split_tokens - 1) / split_tokens;  // splits the sequence needs
     // the FP2 CTAs of the row with work (n_run) and its bf16 CTA count themselves; the last merges
     finish_row(row_done + row, min(n_need, num_splits), n_need > num_splits, num_splits,
                RowPartials{o_part + head0 * max_splits * D, ml_part + head0 * max_splits * 2, max_splits},
@@ -178,15 +177,15 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
     return;
   }
   const int split = blockIdx.x % num_splits;
-  const int r_lo = base + split * split_tokens;
+  const int r_lo = split * split_tokens;
   const int r_hi = min(hi, r_lo + split_tokens);
-  // The prologue's dependent loads: (fp2_lo / hi, the query, the levels) -> the block table's pool
+  // The prologue's dependent loads: (fp2_len, the query, the levels) -> the block table's pool
   // rows -> the first stages' copies, three round trips to memory before the first stage is
   // computed. The query and the levels do not depend on the range, so they are read raw before
   // anything waits for it, and the test of an empty split comes after the block-table prefetch.
   // (Before, the query waited for the range, the levels for the query's shuffles and the table
   // for both: five round trips, by the SASS order.)
-  const bool no_work = r_lo >= r_hi || lo >= hi;  // not counted: split >= n_run
+  const bool no_work = r_lo >= r_hi;  // not counted: split >= n_run
   const int num_stages = no_work ? 0 : (r_hi - r_lo + TOK - 1) / TOK;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -200,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (int i = 0; i < 8; ++i) lv[i] = levels[i];
   // The lane's query channels, raw, in the order the query block reads them: issued before the
-  // block-table prefetch, whose addresses wait for fp2_lo / hi, so the two overlap. (Every lane
+  // block-table prefetch, whose addresses wait for fp2_len, so the two overlap. (Every lane
   // reads a real head's row; the padding columns are zeroed below.)
   // B column g: head g, or (kPairTerms) head g / 2's term g % 2 (hi, lo)
   const int qhead = kPairTerms ? (g >> 1) : g;
@@ -342,9 +341,9 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (int m = 0; m < NKS; ++m) oacc[m][0] = oacc[m][1] = oacc[m][2] = oacc[m][3] = 0.f;
 
-  // A stage is full (no token outside [lo, r_hi)) iff its first token f0 has 0 <= f0 - lo <=
-  // r_hi - TOK - lo: one unsigned compare against full_n (0: no full stage).
-  const uint32_t full_n = uint32_t(max(r_hi - TOK - lo + 1, 0));
+  // A stage is full (no token at or past r_hi) iff its first token f0 has f0 <= r_hi - TOK: one
+  // unsigned compare against full_n (0: no full stage).
+  const uint32_t full_n = uint32_t(max(r_hi - TOK + 1, 0));
   // Local stage k sits in ring slot k % STAGES. The prologue fills slots 0 .. STAGES - 2 from chunk
   // 0; then stage k is computed while stage k + STAGES - 1 is issued. The loop runs in pieces: piece
   // c computes the stages whose issue falls in chunk c (k + STAGES - 1 < 32 (c + 1)), so the row
@@ -353,23 +352,22 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
 #pragma unroll
   for (uint32_t k = 0; k < STAGES - 1; ++k) issue(k, k);
   uint32_t k = 0;
-  // Local stage k's first token less lo (unsigned: below lo wraps past full_n), advanced with k
-  // rather than recomputed from it (three instructions a stage fewer).
-  uint32_t f0_lo = uint32_t(r_lo + warp * TOK - lo);
+  // Local stage k's first token, advanced with k rather than recomputed from it (three
+  // instructions a stage fewer).
+  uint32_t f0 = uint32_t(r_lo + warp * TOK);
   for (uint32_t chunk_end = 32;; chunk_end += 32) {
     const uint32_t piece_end = min(my_stages, chunk_end - (STAGES - 1));
-    for (; k < piece_end; ++k, f0_lo += NUM_WARPS * TOK) {
+    for (; k < piece_end; ++k, f0 += NUM_WARPS * TOK) {
       cp_async_wait<STAGES - 2>();  // stage k has landed (this lane's copies) ...
       __syncwarp();                 // ... and every lane's; slot (k-1) % STAGES is free again
       if (k == 0) ZD_STAMP(1, globaltimer());
       issue(k + STAGES - 1, (k + STAGES - 1) % STAGES);
       const Stage* st = ring + k % STAGES;
-      if (f0_lo < full_n) {
+      if (f0 < full_n) {
         compute_stage<false>(st, g, t, 0xffffffffu, key, val, sm, oacc);
       } else {
-        const int f0 = lo + int(f0_lo);
-        const int a = max(lo - f0, 0), z = min(r_hi - f0, TOK);  // valid tokens [a, z) of the stage
-        const uint32_t valid = (z >= 32 ? 0xffffffffu : ((1u << z) - 1u)) & ~((1u << a) - 1u);
+        const int z = min(r_hi - int(f0), TOK);  // valid tokens [0, z) of the stage
+        const uint32_t valid = z >= 32 ? 0xffffffffu : ((1u << z) - 1u);
         compute_stage<true>(st, g, t, valid, key, val, sm, oacc);
       }
     }

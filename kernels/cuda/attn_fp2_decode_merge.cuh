@@ -169,7 +169,7 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   ZD_STAMP(8, globaltimer());
   if (!last) return;
   if (overflow) {
-    // fp2_hi beyond the bound the grid was sized for (max_len): its last tokens were never read.
+    // fp2_len beyond the bound the grid was sized for (max_len): its last tokens were never read.
     // Fail loudly: NaN, never a quiet answer over part of the sequence.
     for (int i = threadIdx.x; i < GROUP * D; i += kThreads) out[i] = __int_as_float(0x7fc00000);
     return;

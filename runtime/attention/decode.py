@@ -135,7 +135,6 @@ class Fp2DecodeAttention:
             self.o_part = torch.empty(max_batch, num_q_heads, slots, head_dim, **f32)
             self.ml_part = torch.empty(max_batch, num_q_heads, slots, 2, **f32)
             self.out = torch.empty(max_batch, num_q_heads, head_dim, **f32)
-            self.zeros = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
             # Partials counted per (sequence, KV head): the last CTA of a row merges and resets its
             # count, so this stays zero between launches (and across replays of a captured graph).
             self.row_done = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
@@ -295,10 +294,10 @@ class Fp2DecodeAttention:
                 f"max_len {L} in {num_splits} splits: the workspace holds {self.max_splits} (max_fp2_tokens "
                 f"{self.max_fp2_tokens}, max_batch {self.max_batch})"
             )
-        o_part, ml_part, out, lo = self.o_part[:B], self.ml_part[:B], self.out[:B], self.zeros[:B]
+        o_part, ml_part, out = self.o_part[:B], self.ml_part[:B], self.out[:B]
         self.kernels.decode(
             q, self.softmax_scale * LOG2E, layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales,
-            layer.levels, batch.block_table, lo, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
+            layer.levels, batch.block_table, batch.fp2_len, split_tokens, num_splits, o_part, ml_part,
             batch.hp_k, batch.hp_v, batch.hp_len, batch.hp_slot, self.row_done, out, self.timeline, pending,
         )  # fmt: skip
         return out
