@@ -290,25 +290,17 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
     short, pending = shorts[0], pendings[0]
     least, greatest = torch.cuda.Stream.priority_range()
     side, capture = torch.cuda.Stream(priority=least), torch.cuda.Stream(priority=greatest)
-    ends = [torch.cuda.Stream(priority=least) for _ in per_layer]
 
-    def layers(n: int, defer: bool, at_end: bool = False):
+    def layers(n: int, defer: bool):
         def run():
-            cur = torch.cuda.current_stream()
             for i in range(n):
                 if defer:
                     best(q, layer, shorts[i], max_len=L, num_splits=forced, pending=pendings[i])
-                    if not at_end:
-                        pendings[i].write_after(side)
+                    pendings[i].write_after(side)
                 else:
                     best(q, layer, batch, max_len=L, num_splits=forced)
-            if defer and at_end:  # every layer's write after the last decode, each on its own stream
-                for i in range(n):
-                    pendings[i].write_after(ends[i])
-                for s in ends[:n]:
-                    cur.wait_stream(s)
-            elif defer:
-                cur.wait_stream(side)  # the engine's step end (StaticAttention.join)
+            if defer:
+                torch.cuda.current_stream().wait_stream(side)  # the engine's step end (StaticAttention.join)
 
         return run
 
@@ -321,10 +313,7 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
     row["defer1_added_ms"] = (four_deferred - four_plain) / 4
     one_plain, one_deferred = pair(1)
     row["defer1_alone_added_ms"] = one_deferred - one_plain
-    plain16, deferred16, end16 = medians_ms(
-        [layers(16, False), layers(16, True), layers(16, True, at_end=True)], args.reps, flush, capture_stream=capture
-    )
-    row["end16_added_ms"] = (end16 - plain16) / 16
+    plain16, deferred16 = pair(16)
     row["plain16_ms"], row["defer16_ms"] = plain16 / 16, deferred16 / 16  # per layer, beside fp2_ms
     row["defer16_added_ms"] = (deferred16 - plain16) / 16
     row["defer_steady_added_ms"] = (deferred16 - plain16 - (four_deferred - four_plain)) / 12
@@ -384,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'B':>3} {'L':>7} {'cfg':>7} {'splits':>6} {'FP2 ms':>8} {'GB/s':>6} {'%copy':>6} {'FP16 ms':>8} "
         f"{'GB/s':>6} {'speedup':>7} {'write1 us':>9} {'+write1 us':>10} {'flush32 us':>10} {'+ewrite1 us':>11}"
-        f" {'+defer1 us':>10} {'+defer16':>8} {'steady':>6} {'alone':>6} {'+end16':>6}"
+        f" {'+defer1 us':>10} {'+defer16':>8} {'steady':>6} {'alone':>6}"
     )
     for r in rows:
         print(
@@ -394,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
             f"{1e3 * r.get('write1_ms', nan):>9.1f} {1e3 * r.get('write1_added_ms', nan):>10.1f} {1e3 * r.get('flush32_ms', nan):>10.1f}"
             f" {1e3 * r.get('ewrite1_added_ms', nan):>11.1f} {1e3 * r.get('defer1_added_ms', nan):>10.1f}"
             f" {1e3 * r.get('defer16_added_ms', nan):>8.1f} {1e3 * r.get('defer_steady_added_ms', nan):>6.1f}"
-            f" {1e3 * r.get('defer1_alone_added_ms', nan):>6.1f} {1e3 * r.get('end16_added_ms', nan):>6.1f}"
+            f" {1e3 * r.get('defer1_alone_added_ms', nan):>6.1f}"
         )
     worst = max(r["check_rel_err"] for r in rows)
     print(f"output check: worst relative error {worst:.2e} against reference_decode (tolerance {CHECK_TOL})")

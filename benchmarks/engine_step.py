@@ -12,8 +12,7 @@ host bookkeeping, i.e. what serving pays per token. No L2 flush: a serving step 
 Timing: CUDA events around each step on a GPU (the step's own sampling syncs it), perf_counter on
 CPU; median and p90 per case. A table, then one JSON line per case (`--json`). With graphs on,
 each `--defer-write` mode is a case of its own (the KV write after the decode, beside the step, or
-before it: docs/fp2-kernel.md, "Codes at arrival, and the write after the decode"; `end`: every
-layer's write after the step's last decode, "The writes at the step's end").
+before it: docs/fp2-kernel.md, "Codes at arrival, and the write after the decode").
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--defer-write", default="auto",
-        help="comma list of auto,on,off,end: EngineConfig.defer_write of the graph cases, each timed",
+        help="comma list of auto,on,off: EngineConfig.defer_write of the graph cases, each timed",
     )  # fmt: skip
     p.add_argument(
         "--profile", action="store_true",
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_b = max(batches)
     tokens = args.context + _max_tokens(max_b, args.context, args.warmup, args.steps)  # per sequence, at most
-    modes = [{"auto": "auto", "on": True, "off": False, "end": "end"}[m] for m in args.defer_write.split(",")]
+    modes = [{"auto": "auto", "on": True, "off": False}[m] for m in args.defer_write.split(",")]
     rows = []
     # Each row is printed as it is timed (a run cut short by a time limit keeps what it measured),
     # then the JSON lines.
@@ -165,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
                     "dtype": dtype, "kv": kv, "fused_decode": isinstance(engine.attn.decode, Fp2FusedDecode),
                     "cuda_graphs": engine.graphs is not None, "graph_mode": _graph_mode(engine),
                     "defer_write": bool(getattr(engine.attn.decode, "defers_write", False)),
-                    "writes_at_step_end": bool(getattr(engine.attn.decode, "writes_at_step_end", False)),
                     "batch": b, "context": args.context,
                     "steps": len(ms), "median_ms": round(med, 4),
                     "p90_ms": round(statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else med, 4),
@@ -173,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 })  # fmt: skip
                 r = rows[-1]
                 print(
-                    f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} "
-                    f"{('end' if r['writes_at_step_end'] else 'yes') if r['defer_write'] else 'no':>8} "
+                    f"{r['kv']:>26} {r['graph_mode'] or 'off':>9} {'yes' if r['defer_write'] else 'no':>8} "
                     f"{r['batch']:>4} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['tok_s']:>9.1f}",
                     flush=True,
                 )

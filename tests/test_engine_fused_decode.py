@@ -224,18 +224,17 @@ def test_decode_scoring_runs_the_serving_path_and_the_e4m3_probe() -> None:
 
 
 def test_defer_write_config() -> None:
-    """EngineConfig.defer_write: True, False, "auto" (the default) or "end"; on CPU the fused path
-    never defers the write (the write and the reference decode run apart), whatever was asked."""
+    """EngineConfig.defer_write: True, False or "auto" (the default); on CPU the fused path never
+    defers the write (the write and the reference decode run apart), whatever was asked."""
     from zerodram.runtime.errors import ConfigError
 
     assert EngineConfig().defer_write == "auto" and EngineConfig(defer_write=False).defer_write is False
     with pytest.raises(ConfigError, match="defer_write"):
         EngineConfig(defer_write="always")
     kv = RuntimeKVPartition("fp2:tail=1,window=4", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
-    assert EngineConfig(defer_write="end").defer_write == "end"
-    for mode in (True, "auto", "end"):
+    for mode in (True, "auto"):
         fused = make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, defer_write=mode)
-        assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write and not fused.writes_at_step_end
+        assert isinstance(fused, Fp2FusedDecode) and not fused.defers_write
     # a format the kernels cannot read keeps the gather path on CPU, where the option means nothing
     kv = RuntimeKVPartition("fp2:kblk=t32", 1, 2, 64, 8, 32, torch.float32, torch.device("cpu"))
     assert make_decode_attention(kv, num_q_heads=2, scale=0.125, max_batch=2, defer_write=True) is None

@@ -329,9 +329,8 @@ def test_gpu_defer_write_gives_the_two_kernel_tokens(kv: str) -> None:
     decode (the decode reading the new tokens from the step's tensors; the write on the
     low-priority write stream, joined at the step's end) give the tokens of the same graphs with
     the write as a kernel of its own before the decode, on SmolLM2's shape with random weights
-    (FP2_SPEC, and the default format calibrated with error feedback), with "auto" (the default),
-    True and "end" (every layer's write after the step's last decode, each on its own stream);
-    prompts in their sinks, filling the window and flushing. The decode kernel computes
+    (FP2_SPEC, and the default format calibrated with error feedback), with "auto" (the default)
+    and True; prompts in their sinks, filling the window and flushing. The decode kernel computes
     the same outputs either way (test_kv_decode_write.py: bit for bit); compared to a near-tie as
     graphs against eager decode above."""
     from zerodram.runtime.kv.format import DEFAULT_FP2
@@ -342,17 +341,15 @@ def test_gpu_defer_write_gives_the_two_kernel_tokens(kv: str) -> None:
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (90, 60, 3)]
     two, apart = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, defer_write=False)
     assert not apart.attn.decode.defers_write
-    for mode in ("auto", True, "end"):
+    for mode in ("auto", True):
         one, engine = _greedy(model, CUDA, prompts, 24, kv, cuda_graphs=True, defer_write=mode)
         assert engine.attn.decode.defers_write and any(s.whole for s in engine.graphs.steps.values())
-        assert engine.attn.decode.writes_at_step_end == (mode == "end")
         assert _compare(f"{kv} deferred write ({mode}) vs two kernels", one, two) >= 0.9
 
 
 def test_gpu_defer_write_needs_a_window() -> None:
     """A format without a window attends a new token as FP2 in the step it arrives, so its write
-    cannot wait: "auto" keeps the write as a launch of its own before the decode, True and "end"
-    refuse."""
+    cannot wait: "auto" keeps the write as a launch of its own before the decode, True refuses."""
     from zerodram.runtime.errors import ConfigError
 
     config = lambda mode: EngineConfig(  # noqa: E731
@@ -360,9 +357,8 @@ def test_gpu_defer_write_needs_a_window() -> None:
     )
     engine = build_engine("random:smollm2-135m", CUDA, config("auto"), dtype="fp32")
     assert not engine.attn.decode.defers_write
-    for mode in (True, "end"):
-        with pytest.raises(ConfigError, match="window"):
-            build_engine("random:smollm2-135m", CUDA, config(mode), dtype="fp32")
+    with pytest.raises(ConfigError, match="window"):
+        build_engine("random:smollm2-135m", CUDA, config(True), dtype="fp32")
 
 
 def test_gpu_engine_with_the_default_format_calibrates_and_serves() -> None:

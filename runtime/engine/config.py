@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from zerodram.runtime.attention.reference import VALUE_PRODUCTS
 from zerodram.runtime.engine.calibration import CALIB_TOKENS
-from zerodram.runtime.engine.fp2_decode import DEFER_WRITE_MODES
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
 
@@ -30,9 +29,7 @@ class EngineConfig:
     step's tensors and the tails as they were (docs/fp2-kernel.md, "Codes at arrival"; a token's
     codes are read a window after it arrives): True (or ConfigError where the kernels or the
     format cannot: no window, say), False (the write as a launch of its own before the decode), or
-    "auto" (deferred wherever possible), the default; "end" as True, but every layer's write
-    waits for the step's last decode and then they all run at once, beside the head
-    (docs/fp2-kernel.md, "The writes at the step's end"). Ignored on CPU and without CUDA graphs."""
+    "auto" (deferred wherever possible), the default. Ignored on CPU and without CUDA graphs."""
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
@@ -57,8 +54,8 @@ class EngineConfig:
                 f"kv_calibration must be auto, none or a path and kv_calibration_tokens >= 1, got "
                 f"{self.kv_calibration!r}, {self.kv_calibration_tokens}"
             )
-        if self.defer_write not in DEFER_WRITE_MODES:
-            raise ConfigError(f"defer_write must be True, False, 'auto' or 'end', got {self.defer_write!r}")
+        if self.defer_write not in (True, False, "auto"):
+            raise ConfigError(f"defer_write must be True, False or 'auto', got {self.defer_write!r}")
         if self.decode_value_product not in VALUE_PRODUCTS:
             raise ConfigError(
                 f"decode_value_product must be one of {VALUE_PRODUCTS}, got {self.decode_value_product!r}"

@@ -38,8 +38,6 @@ from zerodram.runtime.attention import (
 from zerodram.runtime.device import Staging
 from zerodram.runtime.errors import ConfigError, ZerodramError
 
-DEFER_WRITE_MODES = (True, False, "auto", "end")  # EngineConfig.defer_write
-
 log = logging.getLogger("zerodram.engine")
 
 
@@ -97,9 +95,8 @@ class Fp2FusedDecode:
         defer_write: on a GPU, whether the whole-step graph makes each layer's KV write after the
             decode that attends its tokens (`static_call`'s pending; docs/fp2-kernel.md, "Codes at
             arrival"): True (or ConfigError where the kernels or the format cannot), False, or
-            "auto" (wherever they can); "end" as True, every layer's write then waiting for the
-            step's last decode (`writes_at_step_end`). Ignored on CPU, where the write and the
-            reference decode run apart as always.
+            "auto" (wherever they can). Ignored on CPU, where the write and the reference decode
+            run apart as always.
 
     Raises:
         ConfigError: the caches are not FP2 or the kernels cannot read their format.
@@ -115,8 +112,8 @@ class Fp2FusedDecode:
         value_product: str = "exact",
         defer_write: bool | str = False,
     ) -> None:
-        if defer_write not in DEFER_WRITE_MODES:
-            raise ConfigError(f"defer_write must be True, False, 'auto' or 'end', got {defer_write!r}")
+        if defer_write not in (True, False, "auto"):
+            raise ConfigError(f"defer_write must be True, False or 'auto', got {defer_write!r}")
         c0 = kv.caches[0]
         if getattr(c0, "format", None) != "fp2":
             raise ConfigError(f"the fused decode path reads FP2 pages, the partition is {kv.kv_format!r}")
@@ -133,7 +130,7 @@ class Fp2FusedDecode:
         # Whether the static steps defer the KV write (`defers_write`): False where the kernels
         # cannot (on CPU above all) and without a window (W = 0: the decode reads the new codes).
         writers = all(getattr(c, "_static_write", None) is not None for c in kv.caches)
-        if defer_write in (True, "end") and c0.device.type == "cuda" and not (writers and c0.rule.window):
+        if defer_write is True and c0.device.type == "cuda" and not (writers and c0.rule.window):
             raise ConfigError(
                 f"defer_write: the caches' format {kv.kv_format!r} has no decode-write kernel to defer "
                 "(kernels/kv_write.py `unsupported`) or no window"
@@ -267,13 +264,6 @@ class Fp2FusedDecode:
         (`defer_write`, where possible)."""
         return self.defer_write is not False
 
-    @property
-    def writes_at_step_end(self) -> bool:
-        """Whether the deferred writes wait for the step's last decode and then run at once,
-        each layer's on its own stream, beside the head (`defer_write="end"`), rather than each
-        right after its decode."""
-        return self.defer_write == "end"
-
     # --- the static path (the whole decode step in one CUDA graph) ------------------------------
 
     def static_meta(self, bucket: int) -> StaticDecodeMeta:
@@ -356,8 +346,8 @@ def make_decode_attention(
     when the partition is FP2 but its format is one the kernels cannot read).
 
     Raises:
-        ConfigError: a value_product other than "exact", or defer_write True or "end", where no fused
-            path can serve it.
+        ConfigError: a value_product other than "exact", or defer_write=True, where no fused path
+            can serve it.
     """
     caches = getattr(kv, "caches", None)
     if not caches or getattr(caches[0], "format", None) != "fp2":
@@ -375,8 +365,8 @@ def make_decode_attention(
     except ConfigError as err:
         if value_product != "exact":
             raise ConfigError(f"value_product {value_product!r} needs the fused FP2 decode path: {err}") from err
-        if defer_write in (True, "end") and caches[0].device.type == "cuda":  # asked for by name: not a
-            # quiet fall back to the slower gather path (on CPU the option means nothing)
-            raise ConfigError(f"defer_write={defer_write!r} needs the fused FP2 decode path: {err}") from err
+        if defer_write is True and caches[0].device.type == "cuda":  # asked for by name: not a quiet
+            # fall back to the slower gather path (on CPU the option means nothing)
+            raise ConfigError(f"defer_write=True needs the fused FP2 decode path: {err}") from err
         log.info("FP2 KV %r: decode reads the pages back through gather + SDPA (%s)", kv.kv_format, err)
         return None

@@ -126,10 +126,9 @@ class StaticAttention:
         fused: its `Fp2FusedDecode`.
         bucket: Bp.
         num_layers: Ly.
-        streams: (capture stream, write streams) where `fused.defers_write` (`priority_streams`:
-            one write stream, or one per layer where the writes wait for the step's end; the same
-            streams for every bucket: the buckets' graphs share a memory pool, whose blocks are
-            reused only by allocations on the stream that freed them).
+        streams: (capture, write) streams where `fused.defers_write` (`priority_streams`; one pair
+            for every bucket: the buckets' graphs share a memory pool, whose blocks are reused
+            only by allocations on the stream that freed them).
     """
 
     def __init__(self, kv, fused, bucket: int, num_layers: int, streams: tuple | None = None) -> None:
@@ -142,18 +141,12 @@ class StaticAttention:
         self.bad = torch.zeros(num_layers, bucket, dtype=torch.bool, device=dev)  # [Ly, Bp]
         # Where the decode attends a layer's new tokens before they are written (`defers_write`),
         # the write (the tail, the new tokens' codes, which nothing reads for W steps) runs after
-        # it on a write stream, beside the rest of the step: right after the decode, or
-        # (`writes_at_step_end`) all the step's writes at once after its last decode, each layer's
-        # on its own stream (`launch_writes`). `join` brings them back before the step ends. The
-        # step is captured on `capture_stream` (`priority_streams`).
-        self.capture_stream, self.write_streams = streams if fused.defers_write else (None, ())
+        # it on `write_stream`, beside the rest of the step; `join` brings it back before the step
+        # ends. The step is captured on `capture_stream` (`priority_streams`).
+        self.capture_stream, self.write_stream = streams if fused.defers_write else (None, None)
         if fused.defers_write and streams is None:
             raise ZerodramError("a deferred KV write needs the (capture, write) streams")
-        self.at_end = fused.writes_at_step_end
-        if self.at_end and len(self.write_streams) < num_layers:
-            raise ZerodramError(f"writes at the step end need {num_layers} write streams, got {len(self.write_streams)}")
-        self._waiting: list = []  # at_end: the step's pending writes, in layer order
-        self._forked: set[int] = set()  # indices of the write streams launched on since the last join
+        self._forked = False
         self._rows: tuple[list[int], ...] | None = None
         self._lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
@@ -179,38 +172,24 @@ class StaticAttention:
     ) -> torch.Tensor:
         """Layer `layer_idx`'s KV write and attention, q [Bp, Hq, Dh], k, v [Bp, Hkv, Dh] -> [Bp, Hq, Dh]:
         the write then the decode, or, where the decode path defers it (`defers_write`), the decode
-        attending the pending write's tokens, then the write on a write stream, now or
-        (`writes_at_step_end`) at `launch_writes` (joined by `join`)."""
+        attending the pending write's tokens, then the write on `write_stream` (joined by `join`)."""
         if self.fused.defers_write:
             pending = self.kv.pending_append(layer_idx, k, v, self.ix, self.bad[layer_idx])
             o = self.fused.static_call(layer_idx, q, self.meta, max_len, pending)
-            if self.at_end:
-                self._waiting.append(pending)
-            else:
-                pending.write_after(self.write_streams[0])
-                self._forked.add(0)
+            pending.write_after(self.write_stream)
+            self._forked = True
             return o
         self.kv.write_decode_static(layer_idx, k, v, self.ix, self.bad[layer_idx])
         return self.fused.static_call(layer_idx, q, self.meta, max_len)
 
-    def launch_writes(self) -> None:
-        """`writes_at_step_end`: every write the step's decodes left waiting, each on its own
-        stream after everything queued so far, so that they run at once, beside what follows (the
-        head); the others are launched already."""
-        for i, pending in enumerate(self._waiting):
-            pending.write_after(self.write_streams[i])
-            self._forked.add(i)
-        self._waiting.clear()
-
     def join(self) -> None:
-        """The current stream waits for the step's writes (launching any still waiting), before
-        the step ends: whatever comes after it (the next step's decode reading the tails, and W
-        steps on the codes; a freed page's next owner writing it; the end of a graph capture)
-        finds the writes made."""
-        self.launch_writes()
-        for i in sorted(self._forked):
-            torch.cuda.current_stream().wait_stream(self.write_streams[i])
-        self._forked.clear()
+        """The current stream waits for the writes launched since the last join, before the
+        step ends: whatever comes after it (the next step's decode reading the tails, and W steps
+        on the codes; a freed page's next owner writing it; the end of a graph capture) finds the
+        writes made."""
+        if self._forked:
+            torch.cuda.current_stream().wait_stream(self.write_stream)
+            self._forked = False
 
     def record_nonfinite(self, batch: ForwardBatch) -> None:
         """Hand the step's flags to the partition's ledger (read with the others at step end)."""
@@ -304,7 +283,6 @@ class StaticDecodeStep:
                 q, k, v = layer.pre_attention(x, cos_sin)
                 o = self.static_attn(i, q, k, v, max_len)  # [Bp, Hq, Dh]
                 x = layer.feed_forward(x + layer.attn_output(o), self._timer, self.eps[i])
-            self.static_attn.launch_writes()  # writes_at_step_end: beside the head
             b.logits.copy_(m.head(x))
         finally:  # also on an error: a capture must close joined (or it reports that, not the cause)
             self.static_attn.join()
@@ -370,19 +348,14 @@ def bucket_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple([*sizes, max_batch] if max_batch > 1 else sizes)
 
 
-def priority_streams(
-    device: torch.device, writes: int = 1
-) -> tuple[torch.cuda.Stream, tuple[torch.cuda.Stream, ...]]:
-    """(capture stream, `writes` write streams) of a deferred KV write: the step is captured on a
-    stream of the highest priority and the writes launched on streams of the lowest. A graph's
-    kernel nodes keep their capture stream's priority, so the block scheduler hands SMs to the
-    step's own kernels first and the writes' CTAs take what they leave; with equal priorities the
-    writes, launched earlier, took SMs ahead of the next kernels (docs/benchmarks.md, "The write
-    after the decode")."""
+def priority_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(capture, write) streams of a deferred KV write: the step is captured on a stream of the
+    highest priority and the writes launched on one of the lowest. A graph's kernel nodes keep
+    their capture stream's priority, so the block scheduler hands SMs to the step's own kernels
+    first and the writes' CTAs take what they leave; with equal priorities the writes, launched
+    earlier, took SMs ahead of the next kernels (docs/benchmarks.md, "The write after the decode")."""
     least, greatest = torch.cuda.Stream.priority_range()
-    return torch.cuda.Stream(device, priority=greatest), tuple(
-        torch.cuda.Stream(device, priority=least) for _ in range(writes)
-    )
+    return torch.cuda.Stream(device, priority=greatest), torch.cuda.Stream(device, priority=least)
 
 
 class DecodeGraphs:
@@ -414,9 +387,7 @@ class DecodeGraphs:
             )
         self.buckets = bucket_sizes(max_batch)
         Ly = len(model.layers)
-        streams = None
-        if static is not None and static[1].defers_write:
-            streams = priority_streams(static[1].device, Ly if static[1].writes_at_step_end else 1)
+        streams = priority_streams(static[1].device) if static is not None and static[1].defers_write else None
         self.steps = {
             bucket: StaticDecodeStep(
                 model, eps, bucket, None if static is None else StaticAttention(*static, bucket, Ly, streams)

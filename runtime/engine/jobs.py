@@ -86,19 +86,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
     )
     p.add_argument(
         "--defer-write",
-        choices=("auto", "on", "off", "end"),
+        choices=("auto", "on", "off"),
         default="auto",
         help="make each layer's FP2 KV write after its decode in the captured steps, beside the rest of "
         "the step (GPU): auto = wherever the kernels and the format allow (a window); on = every "
-        "captured step, or fail; off = a launch of its own before the decode; end = as on, the "
-        "writes all at once after the step's last decode, beside the head",
+        "captured step, or fail; off = a launch of its own before the decode",
     )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the shared options (the engine refuses graphs it cannot capture)."""
     graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
-    defer_write = {"on": True, "off": False, "end": "end"}.get(args.defer_write, "auto")
+    defer_write = {"on": True, "off": False}.get(args.defer_write, "auto")
     return EngineConfig(
         kv_format=args.kv,
         kv_calibration=args.kv_calibration,
