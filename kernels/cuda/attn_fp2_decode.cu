@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int hi = fp2_len[b];
   const size_t head0 = size_t(b) * num_q_heads + kvh * GROUP;  // the row's first query head
   // The row's bookkeeping for finish_row, derived again where it is used rather than kept in
-  // registers across the main loop (the range is read again through L2, so the compiler cannot
+  // registers across the main loop (the length is read again through L2, so the compiler cannot
   // keep the first read alive instead).
   auto finish = [&](int row) {
     const int hi = __ldcg(fp2_len + row / num_kv_heads);
@@ -181,10 +181,11 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   const int r_hi = min(hi, r_lo + split_tokens);
   // The prologue's dependent loads: (fp2_len, the query, the levels) -> the block table's pool
   // rows -> the first stages' copies, three round trips to memory before the first stage is
-  // computed. The query and the levels do not depend on the range, so they are read raw before
+  // computed. The query and the levels do not depend on the length, so they are read raw before
   // anything waits for it, and the test of an empty split comes after the block-table prefetch.
-  // (Before, the query waited for the range, the levels for the query's shuffles and the table
-  // for both: five round trips, by the SASS order.)
+  // (Before, the query waited for the range then read, the levels for the query's shuffles and the
+  // table for both: five round trips, by the SASS order. Reading the table before the length, so
+  // that the two share a round trip, timed the same: docs/benchmarks.md, stop 45.)
   const bool no_work = r_lo >= r_hi;  // not counted: split >= n_run
   const int num_stages = no_work ? 0 : (r_hi - r_lo + TOK - 1) / TOK;
 
