@@ -103,6 +103,8 @@ ROWS: list[Row] = [
     ),
     Row("FP2 default with the signature lattice", "fp2:fb=1,tail=1,window=47,levels=sig"),
     Row("FP2 default, K error feedback only", "fp2:kfb=1,tail=1,window=47"),
+    Row("FP2 default without error feedback", "fp2:tail=1,window=47"),
+    Row("FP2 default, feedback in blocks of 32 channels", "fp2:fb=1,fbblk=32,tail=1,window=47"),
     Row("FP2 default + pre-RoPE K centered (harness only)", "fp2:kprerope=1,kcenter=1,fb=1,tail=1,window=47"),
     # the bits / quality frontier: larger bf16 windows
     Row("FP2 default with window 79", "fp2:fb=1,tail=1,window=79"),

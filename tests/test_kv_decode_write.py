@@ -94,6 +94,12 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         ),
         # D = 96: a lane's 3 channels of the chain straddle two 32-channel blocks (lanes 10 and 21)
         pytest.param("fp2:fb=1,tail=1,window=47,blk=c32,rot=0", "cuda", 96, False, marks=pytest.mark.gpu),
+        # feedback blocks of 32 channels: a factor with zeros between the blocks
+        ("fp2:fb=1,fbblk=32,tail=1,window=47", "cpu", D, False),
+        pytest.param("fp2:fb=1,fbblk=32,tail=1,window=47", "cuda", D, False, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,fbblk=32,tail=1,window=47,rot=0", "cuda", 128, False, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,fbblk=32,tail=1,window=47,rot=0", "cuda", 128, True, marks=pytest.mark.gpu),
+        pytest.param("fp2:fb=1,fbblk=32,tail=1,window=7,blk=c32,scale=e8m0", "cuda", D, True, marks=pytest.mark.gpu),
     ],
 )
 def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int, l2: bool) -> None:
@@ -116,6 +122,9 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int,
     if "fb=1" in fmt:
         g = torch.Generator().manual_seed(3)
         factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
+        if "fbblk=32" in fmt:  # the format's factor: zero between its blocks
+            blk = torch.arange(d) // 32
+            factor = factor * (blk[:, None] == blk[None, :])
         for c in (a, b):
             c.params = tuple(dataclasses.replace(p, feedback=factor) for p in c.params)
     gen = torch.Generator().manual_seed(7)
@@ -430,3 +439,16 @@ def test_feedback_codes_without_division_match_the_division() -> None:
                 assert not bad.any(), (name, scale_dtype, si, v[bad][:4])
                 reruns, total = reruns + int(rerun.sum()), total + len(v)
     assert reruns < 0.1 * total  # the band is narrow (the values above crowd it on purpose)
+
+
+def test_feedback_blocks_refuse_a_factor_across_them() -> None:
+    """`fbblk`: a factor that reaches past the format's blocks is refused when set (a writer may run
+    the blocks apart, so it would be silently cut); one zero between the blocks is taken."""
+    import dataclasses
+
+    c = make_cache("fp2:fb=1,fbblk=32,tail=1,window=47")
+    dense = (torch.eye(D) + 0.1 * torch.ones(D, D).triu(1)).expand(H, D, D)
+    with pytest.raises(ConfigError, match="reaches past"):
+        c.params = tuple(dataclasses.replace(p, feedback=dense) for p in c.params)
+    blk = torch.arange(D) // 32
+    c.params = tuple(dataclasses.replace(p, feedback=dense * (blk[:, None] == blk[None, :])) for p in c.params)

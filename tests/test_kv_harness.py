@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import make_kv_cache
 from zerodram.runtime.kv.codecs import make_codec
 from zerodram.runtime.kv.errors import KVCapacityError, KVInputError
@@ -203,3 +204,32 @@ def test_feedback_lowers_the_weighted_error(seed: int, levels: str) -> None:
         y, s, None, lv, feedback_factor(torch.diag_embed(torch.rand(Hh, D, generator=gen) + 0.1))
     )
     assert torch.equal(diag, nearest_code(y / s, lv))
+
+
+@FAST
+@given(st.integers(0, 2**31 - 1), st.sampled_from([16, 32]))
+def test_feedback_in_blocks_is_one_chain_per_block(seed: int, block: int) -> None:
+    """`fbblk`: the factor of W's diagonal blocks is block diagonal, and the one chain over the
+    head gives, bit for bit, the codes of a chain run on each block alone (what a writer running the
+    blocks side by side computes); on an anisotropic W it still beats nearest rounding; a block
+    that does not divide the head dim is refused."""
+    gen = torch.Generator().manual_seed(seed)
+    T, Hh = 64, 2
+    lv = named_levels("lm")
+    y = torch.randn(T, Hh, D, generator=gen)
+    s = y.abs().amax(-1, keepdim=True).expand_as(y) / float(lv.abs().max())
+    a = torch.randn(Hh, D, 4, generator=gen)
+    w = a @ a.transpose(1, 2) + 0.05 * torch.eye(D)  # [Hh, D, D], dense
+    f = feedback_factor(w, block=block)
+    blk = torch.arange(D) // block
+    assert torch.all(f[:, blk[:, None] != blk[None, :]] == 0)
+    codes = feedback_codes(y, s, None, lv, f)
+    for b0 in range(0, D, block):
+        sl = slice(b0, b0 + block)
+        alone = feedback_codes(y[..., sl].contiguous(), s[..., sl].contiguous(), None, lv, f[:, sl, sl].contiguous())
+        assert torch.equal(codes[..., sl], alone)
+    near = lv[nearest_code(y / s, lv).long()] * s
+    werr = lambda yh: torch.einsum("thd,hde,the->", y - yh, w, y - yh)  # noqa: E731
+    assert float(werr(lv[codes.long()] * s)) < 0.7 * float(werr(near))
+    with pytest.raises(ConfigError, match="do not divide"):
+        feedback_factor(w, block=24)

@@ -17,6 +17,7 @@ FP2 keys (``X`` = ``k`` or ``v`` sets one side, the bare key sets both):
 ``Xrot=0|1`` Hadamard with random signs; ``Xanchor=none|rms|score``; ``Xasym=0|1``;
 ``Xout=<fraction>`` sparse outliers; ``Xcenter=0|1`` subtract a calibrated per-channel mean;
 ``Xfb=0|1`` error-feedback rounding against the calibrated error weight (feedback.py);
+``Xfbblk=<n>`` the feedback kept inside blocks of n consecutive stored channels (0: the whole head);
 ``kprerope=0|1``; and ``sinks=``, ``tail=``, ``window=``, ``page=``, ``seed=``,
 ``layerrot=0|1`` (one rotation per layer instead of one shared).
 """
@@ -62,6 +63,7 @@ class Fp2TensorSpec:
     pre_rope: bool = False
     center: bool = False
     feedback: bool = False
+    feedback_block: int = 0  # channels a rounding error may reach (feedback.py); 0: the whole head
 
     def __post_init__(self) -> None:
         if self.block_axis not in ("channel", "token"):
@@ -78,6 +80,8 @@ class Fp2TensorSpec:
             raise ConfigError(f"unknown anchor mode {self.anchor!r} (none, rms, score)")
         if not 0.0 <= self.outlier_frac < 0.5:
             raise ConfigError(f"outlier fraction must be in [0, 0.5), got {self.outlier_frac}")
+        if self.feedback_block < 0:
+            raise ConfigError(f"feedback block must be >= 0 (0: the whole head), got {self.feedback_block}")
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,8 @@ def _side_value(base: str, key: str, value: str) -> dict:
         return {_SIDE_KEYS[base]: _flag(value, key)}
     if base == "out":
         return {"outlier_frac": float(value)}
+    if base == "fbblk":
+        return {"feedback_block": int(value)}
     return {_SIDE_KEYS[base]: value}
 
 
@@ -216,6 +222,7 @@ _SIDE_KEYS = {
     "prerope": "pre_rope",
     "center": "center",
     "fb": "feedback",
+    "fbblk": "feedback_block",
 }
 _GLOBAL_KEYS = {"sinks", "tail", "window", "page", "seed", "layerrot"}
 

@@ -104,7 +104,8 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
         the tensors derived here (and of the params' own), and a later set frees them.
 
         Raises:
-            ConfigError: a feedback factor or levels the decode-write kernel cannot read.
+            ConfigError: a feedback factor or levels the decode-write kernel cannot read, or a
+                factor that reaches past the format's feedback blocks (`fbblk`).
         """
         dev, H, D = self.device, self.num_kv_heads, self.head_dim
         new = tuple(p.to(dev) for p in params)
@@ -123,6 +124,14 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
             for s, p in zip(sides, new, strict=True)
         )  # fmt: skip
         levels = tuple(p.levels.float().contiguous() for p in new)
+        for name, side, rows in zip("kv", sides, fb_rows, strict=True):
+            # a factor from another format would feed errors across the blocks that the writers
+            # run apart (the decode-write kernel's chains side by side): refused, not ignored
+            fb = side.feedback_block
+            if rows is not None and fb and fb < D:
+                blk = torch.arange(D, device=rows.device) // fb
+                if torch.any(rows[:, blk[:, None] != blk[None, :]] != 0):
+                    raise ConfigError(f"{name} feedback factor reaches past the format's blocks of {fb} channels")
         if self._static_write is not None:  # the kernel reads these raw: [H, D, D] and [4], nothing broadcast
             for name, rows, lv in zip("kv", fb_rows, levels, strict=True):
                 if rows is not None and tuple(rows.shape) != (H, D, D):

@@ -132,7 +132,8 @@ def side_params(
     if side.levels == "cal":
         params = replace(params, levels=calibrate_levels(x, side, params))
     if side.feedback:
-        params = replace(params, feedback=feedback_factor(_error_weight(name, qr, anchor, rot, sample)))
+        weight = _error_weight(name, qr, anchor, rot, sample)
+        params = replace(params, feedback=feedback_factor(weight, block=side.feedback_block))
     return params
 
 
