@@ -183,9 +183,10 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS)
   // rows -> the first stages' copies, three round trips to memory before the first stage is
   // computed. The query and the levels do not depend on the length, so they are read raw before
   // anything waits for it, and the test of an empty split comes after the block-table prefetch.
-  // (Before, the query waited for the range then read, the levels for the query's shuffles and the
-  // table for both: five round trips, by the SASS order. Reading the table before the length, so
-  // that the two share a round trip, timed the same: docs/benchmarks.md, stop 45.)
+  // (Before stop 38, the query waited for the range the kernel read then, the levels for the
+  // query's shuffles and the table for both: five round trips, by the SASS order. Reading the
+  // table before the length, so that the two share a round trip, timed the same: docs/
+  // benchmarks.md, stop 45.)
   const bool no_work = r_lo >= r_hi;  // not counted: split >= n_run
   const int num_stages = no_work ? 0 : (r_hi - r_lo + TOK - 1) / TOK;
 
