@@ -15,8 +15,10 @@ enable_gqa=True)` on contiguous [B, H, L, D] tensors (no paging). torch has no F
 path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel: one token per
 sequence (decode append) and a 32-token tail flush per sequence, alone, and the append's added
 time when it runs in one graph with the decode (`write1_added_ms`: the cost a decode step sees);
-and the engine's own append in the default format (`ewrite1_ms`, `ewrite1_added_ms`: its bf16
-window, the new token rounded with error feedback into its page row, kernels/kv_write.py), also
+and the engine's own append in the default format or `--write-kv`'s (`ewrite1_ms`,
+`ewrite1_added_ms`, the format in `write_kv`: its bf16 window, the new token rounded with error
+feedback into its page row, kernels/kv_write.py; `--write-kv fp2:fb=1,fbblk=32,tail=1,window=47`
+times feedback blocks), also
 deferred as the engine's captured steps make it, after the decode that attends its tokens, on a
 low-priority stream (`defer1_added_ms`: per layer of four in one graph, over plain decodes;
 `defer16_added_ms`: per layer of sixteen; `defer_steady_added_ms`: what each layer past the fourth
@@ -43,6 +45,8 @@ import json
 import math
 import sys
 from dataclasses import replace
+
+from zerodram.runtime.kv.format import DEFAULT_FP2
 
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
 CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
@@ -90,6 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
     p.add_argument("--no-defer", action="store_true", help="skip the decode with the engine's append deferred after it")
+    p.add_argument(
+        "--write-kv", default=DEFAULT_FP2, metavar="SPEC",
+        help="the format of the engine's append (`ewrite1_*`, `defer*`; default DEFAULT_FP2): one the "
+        "decode-write kernel takes, with error feedback",
+    )  # fmt: skip
     p.add_argument(
         "--l2-pages", type=int, default=0,
         help="a diagnostic: every block table cycles over the first N pages and L2 is not flushed (0: off)",
@@ -192,7 +201,8 @@ def _case(
             row["write1_added_ms"] = max(0.0, both - row["fp2_ms"])
             # The engine's own append (DEFAULT_FP2: a bf16 window, the new token rounded with error
             # feedback at arrival): kernels/kv_write.py's kernel on the same pools, every row flushing
-            write, wargs = _engine_write(B, best_layer, batch, gen)
+            write, wargs = _engine_write(B, best_layer, batch, gen, args.write_kv)
+            row["write_kv"] = args.write_kv
             row["ewrite1_ms"] = median_ms(lambda write=write, wargs=wargs: write(*wargs), 10, flush)
             both = median_ms(
                 lambda write=write, wargs=wargs: (
@@ -216,29 +226,33 @@ def _case(
     return row
 
 
-def _engine_write(B: int, layer, batch, gen):
+def _engine_write(B: int, layer, batch, gen, kv: str):
     """A call of the engine's decode write (kernels/kv_write.py, what `Fp2KVCache.write_decode_static`
-    launches) for B sequences in DEFAULT_FP2's shape (its sinks, window, scale dtype and rules; error
-    feedback on both sides with a random factor: the values do not change the work), every row
+    launches) for B sequences in the shape of format `kv` (`--write-kv`, default DEFAULT_FP2: its
+    sinks, window, scale dtype and rules, feedback blocks; error feedback on both sides with a
+    random factor, zero between the format's feedback blocks: the values do not change the work), every row
     flushing (its tail moves up) and its new token's codes going to the last FP2 slot of its
     sequence's pages (the layer's pools; in the engine they go W slots past the attended range)."""
     import torch
 
     from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
-    from zerodram.runtime.kv.format import DEFAULT_FP2, parse_kv_spec
+    from zerodram.runtime.kv.format import parse_kv_spec
     from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
-    spec = parse_kv_spec(DEFAULT_FP2).spec
+    spec = parse_kv_spec(kv).spec  # checked by run()
     dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
-    write = Fp2DecodeWrite(
-        DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], spec.k.scale_dtype,
-                          v_quad=layer.v_layout == "quad"),
-        (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev,
-    )  # fmt: skip
+    fb = spec.k.feedback_block if spec.k.feedback_block not in (0, D) else 0
+    # the one chain over the head, whatever the blocks (the same codes: a zero factor adds nothing)
+    cfg = DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], spec.k.scale_dtype,
+                            v_quad=layer.v_layout == "quad")  # fmt: skip
+    write = Fp2DecodeWrite(cfg, (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev)
     hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]  # [B + 1, H, R, D]
     y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
     eye = torch.eye(D, device=dev)
     rows = [eye + 0.1 * torch.randn(HKV, D, D, device=dev, generator=gen).triu(1) for _ in range(2)]  # [H, D, D]
+    if fb:  # the format's factor: zero between its feedback blocks
+        blk = torch.arange(D, device=dev) // fb
+        rows = [r * (blk[:, None] == blk[None, :]) for r in rows]
     f = (batch.fp2_len[:B].long() - 1).clamp_min(0)
     page = batch.block_table[:B].long().gather(1, (f // P)[:, None])[:, 0]
     ones = torch.ones(B, dtype=torch.long, device=dev)
@@ -326,6 +340,20 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
         print(f"# CHECK FAILED: B={B} L={L} deferred write: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
 
 
+def _write_kv_problem(kv: str) -> str | None:
+    """Why `--write-kv` cannot be the engine's append timed here (None: it can)."""
+    from zerodram.runtime.errors import ConfigError
+    from zerodram.runtime.kv.format import Fp2Spec, parse_kv_spec
+
+    try:
+        spec = parse_kv_spec(kv).spec
+    except ConfigError as err:
+        return str(err)
+    if not isinstance(spec, Fp2Spec) or not (spec.k.feedback and spec.v.feedback and spec.window):
+        return "the engine's append here is an FP2 format with a window and feedback on both sides"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -337,6 +365,10 @@ def run(args: argparse.Namespace) -> int:
     forced_splits = [int(x) or None for x in args.splits.split(",")]
     if any(x is not None and x < 0 for x in forced_splits):
         print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
+        return 2
+    why = _write_kv_problem(args.write_kv)
+    if why:
+        print(f"--write-kv {args.write_kv!r}: {why}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("attention benchmark needs a CUDA GPU", file=sys.stderr)
