@@ -351,6 +351,10 @@ def _write_kv_problem(kv: str) -> str | None:
         return str(err)
     if not isinstance(spec, Fp2Spec) or not (spec.k.feedback and spec.v.feedback and spec.window):
         return "the engine's append here is an FP2 format with a window and feedback on both sides"
+    sides = (spec.k, spec.v)
+    if any(x.block_axis != "channel" or x.block_size != 64 or x.scale_dtype != "e4m3" for x in sides):
+        # the write goes into the timed decode's pools (random_fp2_layer's defaults)
+        return "the pools timed here have E4M3 scales over blocks of 64 channels (c64): the append's must match"
     return None
 
 
