@@ -241,7 +241,6 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
 
     spec = parse_kv_spec(kv).spec  # checked by run()
     dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
-    fb = spec.k.feedback_block if spec.k.feedback_block not in (0, D) else 0
     # the one chain over the head, whatever the blocks (the same codes: a zero factor adds nothing)
     cfg = DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], spec.k.scale_dtype,
                             v_quad=layer.v_layout == "quad")  # fmt: skip
@@ -250,9 +249,10 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
     y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
     eye = torch.eye(D, device=dev)
     rows = [eye + 0.1 * torch.randn(HKV, D, D, device=dev, generator=gen).triu(1) for _ in range(2)]  # [H, D, D]
-    if fb:  # the format's factor: zero between its feedback blocks
-        blk = torch.arange(D, device=dev) // fb
-        rows = [r * (blk[:, None] == blk[None, :]) for r in rows]
+    for i, side in enumerate((spec.k, spec.v)):  # each side's factor: zero between its feedback blocks
+        if side.feedback_block:
+            blk = torch.arange(D, device=dev) // side.feedback_block
+            rows[i] = rows[i] * (blk[:, None] == blk[None, :])
     f = (batch.fp2_len[:B].long() - 1).clamp_min(0)
     page = batch.block_table[:B].long().gather(1, (f // P)[:, None])[:, 0]
     ones = torch.ones(B, dtype=torch.long, device=dev)
