@@ -355,6 +355,8 @@ def _write_kv_problem(kv: str) -> str | None:
     if any(x.block_axis != "channel" or x.block_size != 64 or x.scale_dtype != "e4m3" for x in sides):
         # the write goes into the timed decode's pools (random_fp2_layer's defaults)
         return "the pools timed here have E4M3 scales over blocks of 64 channels (c64): the append's must match"
+    if any(x.feedback_block and D % x.feedback_block for x in sides):
+        return f"feedback blocks must divide the head dim {D}"
     return None
 
 
