@@ -236,6 +236,7 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
     import torch
 
     from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
+    from zerodram.runtime.kv.feedback import block_mask
     from zerodram.runtime.kv.format import parse_kv_spec
     from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
@@ -250,9 +251,7 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
     eye = torch.eye(D, device=dev)
     rows = [eye + 0.1 * torch.randn(HKV, D, D, device=dev, generator=gen).triu(1) for _ in range(2)]  # [H, D, D]
     for i, side in enumerate((spec.k, spec.v)):  # each side's factor: zero between its feedback blocks
-        if side.feedback_block:
-            blk = torch.arange(D, device=dev) // side.feedback_block
-            rows[i] = rows[i] * (blk[:, None] == blk[None, :])
+        rows[i] = rows[i] * block_mask(D, side.feedback_block, dev)
     f = (batch.fp2_len[:B].long() - 1).clamp_min(0)
     page = batch.block_table[:B].long().gather(1, (f // P)[:, None])[:, 0]
     ones = torch.ones(B, dtype=torch.long, device=dev)

@@ -31,6 +31,13 @@ from zerodram.runtime.kv.levels import midpoints
 DAMP = 0.01
 
 
+def block_mask(head_dim: int, block: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[D, D] bool: True where channels i and j lie in one block of `block` consecutive channels
+    (`fbblk`; 0: one block, the whole head)."""
+    idx = torch.arange(head_dim, device=device) // (block or head_dim)
+    return idx[:, None] == idx[None, :]
+
+
 def feedback_factor(weight: torch.Tensor, damp: float = DAMP, block: int = 0) -> torch.Tensor:
     """Upper Cholesky factor U of (W + damp * mean(diag W) * I)⁻¹, so that Uᵀ U is that inverse.
 
@@ -51,8 +58,7 @@ def feedback_factor(weight: torch.Tensor, damp: float = DAMP, block: int = 0) ->
     if block and (block > D or D % block):
         raise ConfigError(f"feedback blocks of {block} channels do not divide the head dim {D}", field="fbblk")
     if block:
-        idx = torch.arange(D, device=w.device) // block
-        w = w * (idx[:, None] == idx[None, :])
+        w = w * block_mask(D, block, w.device)
     ridge = damp * w.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
     w = w + ridge[:, None, None] * torch.eye(D, dtype=w.dtype, device=w.device)
     inv = torch.cholesky_inverse(torch.linalg.cholesky(w))

@@ -22,6 +22,7 @@ from zerodram.kernels.feedback import load_feedback_kernel, supports_head_dim
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.decode_index import DecodeIndexMemo
+from zerodram.runtime.kv.feedback import block_mask
 from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
 from zerodram.runtime.kv.fp2_decode_write import Fp2DecodeWrites
 from zerodram.runtime.kv.fp2_pages import SidePages, value_layout
@@ -128,10 +129,8 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
             # a factor from another format would feed errors across the blocks that the writers
             # run apart (the decode-write kernel's chains side by side): refused, not ignored
             fb = side.feedback_block
-            if rows is not None and fb and fb < D:
-                blk = torch.arange(D, device=rows.device) // fb
-                if torch.any(rows[:, blk[:, None] != blk[None, :]] != 0):
-                    raise ConfigError(f"{name} feedback factor reaches past the format's blocks of {fb} channels")
+            if rows is not None and fb and fb < D and torch.any(rows[:, ~block_mask(D, fb, rows.device)] != 0):
+                raise ConfigError(f"{name} feedback factor reaches past the format's blocks of {fb} channels")
         if self._static_write is not None:  # the kernel reads these raw: [H, D, D] and [4], nothing broadcast
             for name, rows, lv in zip("kv", fb_rows, levels, strict=True):
                 if rows is not None and tuple(rows.shape) != (H, D, D):
