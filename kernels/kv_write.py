@@ -12,6 +12,7 @@ layouts when it sets them, and calls it with fixed-shape device tensors: no allo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,7 @@ class DecodeWriteConfig:
     v_block: int
     scale_dtype: str
     v_quad: bool = False  # value pages in the quad layout (runtime/kv/pack.py)
+    feedback_block: int = 0  # the format's feedback blocks (`fbblk`; 0: the whole head): chains side by side
 
     @property
     def factor_smem_bytes(self) -> int:
@@ -51,16 +53,19 @@ class DecodeWriteConfig:
         defines = {
             "HEAD_DIM": self.head_dim, "K_BLOCK": self.k_block, "V_BLOCK": self.v_block,
             "SCALE_FMT": SCALE_FMTS[self.scale_dtype], "NUM_CAND": NUM_CAND, "V_QUAD": int(self.v_quad),
-            "STAGE_ROWS": int(staged),
+            "STAGE_ROWS": int(staged), "FB_BLOCK": self.feedback_block,
         }  # fmt: skip
         return BuildOptions.make(arch="sm_90", defines=defines, extra=("-lineinfo",))
 
 
 def unsupported(
-    head_dim: int, blocks: tuple[int, int], scale_dtypes: tuple[str, str], rules: tuple[str, str]
+    head_dim: int, blocks: tuple[int, int], scale_dtypes: tuple[str, str], rules: tuple[str, str],
+    feedback_block: int = 0,
 ) -> str | None:
     """Why the kernel cannot write this format (None: it can). Channel blocks, symmetric scales
-    and no outliers are the caller's to check (the static write requires them anyway)."""
+    and no outliers are the caller's to check (the static write requires them anyway).
+    feedback_block: the feedback blocks of the sides with feedback (one value for both; 0: the
+    whole head)."""
     if head_dim % 32 or head_dim > 256:
         return f"head dim {head_dim} (the kernel takes multiples of 32 up to 256)"
     if any(b % 32 or head_dim % b for b in blocks):
@@ -69,6 +74,10 @@ def unsupported(
         return f"scale dtypes {scale_dtypes} (both e4m3 or both e8m0)"
     if any(r not in RULES for r in rules):
         return f"scale rules {rules} (absmax or mse)"
+    fb, per = feedback_block, head_dim // 32
+    if fb and (fb >= head_dim or head_dim % fb or fb % (per * 8 // math.gcd(per, 8)) or any(b % fb for b in blocks)):
+        # whole chain steps (fp2_write_row.cuh CHAIN_STEP: lcm(D / 32, 8)) inside each scale block
+        return f"feedback blocks of {fb} channels (whole steps of {per * 8 // math.gcd(per, 8)} inside the scale blocks {blocks})"
     return None
 
 

@@ -94,7 +94,7 @@ def test_decode_append_equals_per_sequence_appends(fmt: str, device: str) -> Non
         ),
         # D = 96: a lane's 3 channels of the chain straddle two 32-channel blocks (lanes 10 and 21)
         pytest.param("fp2:fb=1,tail=1,window=47,blk=c32,rot=0", "cuda", 96, False, marks=pytest.mark.gpu),
-        # feedback blocks of 32 channels: a factor with zeros between the blocks
+        # feedback blocks of 32 channels: the kernel runs the blocks' chains side by side (FB_BLOCK)
         ("fp2:fb=1,fbblk=32,tail=1,window=47", "cpu", D, False),
         pytest.param("fp2:fb=1,fbblk=32,tail=1,window=47", "cuda", D, False, marks=pytest.mark.gpu),
         pytest.param("fp2:fb=1,fbblk=32,tail=1,window=47,rot=0", "cuda", 128, False, marks=pytest.mark.gpu),
@@ -298,16 +298,19 @@ def test_pending_append_names_other_regions() -> None:
     assert len(PendingAppend.NONE) == 4 and PendingAppend.NONE[0] == np.uint64(0)
 
 
-@pytest.mark.parametrize(("d", "blocks"), [(64, (32, 64)), (96, (32, 32)), (128, (64, 64)), (256, (64, 64))])
-def test_decode_write_builds_compile(d: int, blocks: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("d", "blocks", "fb"),
+    [(64, (32, 64), 0), (96, (32, 32), 0), (128, (64, 64), 0), (256, (64, 64), 0), (64, (32, 64), 32), (128, (64, 64), 32)],
+)
+def test_decode_write_builds_compile(d: int, blocks: tuple[int, int], fb: int) -> None:
     """Both builds of the decode-write kernel (factor staged in shared memory, or read through L2)
     compile at head dims whose chains differ (NVRTC; no GPU needed): D = 96 runs 24-channel passes
     that 32-channel blocks straddle, D = 256 has only the L2 build (its factor, 256 KB, cannot be
-    staged)."""
+    staged); fb: the chains of 32-channel feedback blocks side by side."""
     from zerodram.kernels.jit import compile_cubin
     from zerodram.kernels.kv_write import DecodeWriteConfig
 
-    cfg = DecodeWriteConfig(d, *blocks, "e4m3")
+    cfg = DecodeWriteConfig(d, *blocks, "e4m3", feedback_block=fb)
     assert (cfg.factor_smem_bytes > 0) == (d <= 128)
     for staged in (False, True) if cfg.factor_smem_bytes else (False,):
         assert compile_cubin("fp2_decode_write", cfg.build_options(staged))
@@ -443,8 +446,12 @@ def test_feedback_codes_without_division_match_the_division() -> None:
 
 def test_feedback_blocks_refuse_a_factor_across_them() -> None:
     """`fbblk`: a factor that reaches past the format's blocks is refused when set (a writer may run
-    the blocks apart, so it would be silently cut); one zero between the blocks is taken."""
+    the blocks apart, so it would be silently cut); one zero between the blocks is taken. The
+    decode-write kernel takes only blocks of whole chain steps inside both sides' scale blocks
+    (`unsupported`, no GPU needed)."""
     import dataclasses
+
+    from zerodram.kernels.kv_write import unsupported
 
     c = make_cache("fp2:fb=1,fbblk=32,tail=1,window=47")
     dense = (torch.eye(D) + 0.1 * torch.ones(D, D).triu(1)).expand(H, D, D)
@@ -452,3 +459,6 @@ def test_feedback_blocks_refuse_a_factor_across_them() -> None:
         c.params = tuple(dataclasses.replace(p, feedback=dense) for p in c.params)
     blk = torch.arange(D) // 32
     c.params = tuple(dataclasses.replace(p, feedback=dense * (blk[:, None] == blk[None, :])) for p in c.params)
+    ok = ((64, 64), ("e4m3", "e4m3"), ("mse", "mse"))
+    assert unsupported(128, *ok, 32) is None and unsupported(128, *ok, 0) is None
+    assert "feedback blocks" in unsupported(128, *ok, 48) and "feedback blocks" in unsupported(128, (32, 64), *ok[1:], 64)

@@ -34,6 +34,11 @@
 #ifndef V_QUAD
 #define V_QUAD 0  // 1: value pages in the quad layout
 #endif
+// Channels a rounding error reaches (the format's feedback blocks, `fbblk`); 0: the whole head.
+// Below D the factor is block diagonal and the chain runs the D / FB_BLOCK blocks side by side.
+#ifndef FB_BLOCK
+#define FB_BLOCK 0
+#endif
 
 namespace fp2w {
 constexpr int D = HEAD_DIM;
@@ -102,6 +107,12 @@ __host__ __device__ constexpr int gcd(int a, int b) { return b == 0 ? a : gcd(b,
 // ring (PREFETCH), so that both indices are compile-time inside it.
 constexpr int CHAIN_STEP = PER / gcd(PER, PREFETCH) * PREFETCH;
 static_assert(D % CHAIN_STEP == 0, "the chain's loop covers D");
+// The chain's blocks (FB_BLOCK): FBW channels each, LPB lanes each (a lane's PER channels lie in one
+// block), inside one scale block of either side (the lane's scale is then one for the whole chain).
+constexpr int FBW = FB_BLOCK ? FB_BLOCK : D;
+constexpr int LPB = FBW / PER;
+static_assert(D % FBW == 0 && FBW % CHAIN_STEP == 0 && FBW % PER == 0, "feedback blocks of whole chain steps");
+static_assert(FBW == D || (K_BLOCK % FBW == 0 && V_BLOCK % FBW == 0), "feedback blocks inside scale blocks");
 
 // Step 4's error-feedback codes, channel by channel as fp2_feedback.cu does, from the factor rows
 // over their diagonal (`rows`, [D, D]), warp 0. The torch body divides, z = v / s, and counts the
@@ -142,8 +153,6 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
 #pragma unroll
   for (int j = 0; j < PER; ++j) wt[j] = sh_v[PER * lane + j];
   float ring[PREFETCH][PER];  // ring[c % PREFETCH]: row c of the factor, this lane's columns
-#pragma unroll
-  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
   // Per block: its scale, the current block's first; the loop moves them down one at each block
   // boundary (an index by the loop's channel would put them in local memory). ls: the current
   // block's levels times its scale, as the reference's error takes them.
@@ -162,6 +171,48 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
 #pragma unroll
     for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], sb[0]);
   };
+  if constexpr (FBW < D) {
+    // The blocks side by side (FB_BLOCK): step t decides channel FBW b + t of every block b at once,
+    // lane group b (lanes LPB b .. LPB b + LPB - 1) the one that holds block b's channels. The
+    // factor is zero between blocks, so these are the one chain's codes: a zero factor times a
+    // finite error subtracts an exact zero (the cache zeroes or refuses NaN / Inf rows before any
+    // write, runtime/kv/cache.py; the sign of a zero changes no code).
+    const int b = lane / LPB, first = LPB * b;
+    float s = scale[0];
+#pragma unroll
+    for (int k = 1; k < NB; ++k)
+      if (FBW * b >= k * BS) s = scale[k];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], s);
+    const float* brows = rows + size_t(FBW * b) * D + PER * lane;  // row FBW b + t at brows + t D
+#pragma unroll
+    for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], brows + p * D);
+#pragma unroll 1
+    for (int t0 = 0; t0 < FBW; t0 += CHAIN_STEP) {
+#pragma unroll
+      for (int u = 0; u < CHAIN_STEP; ++u) {
+        const int t = t0 + u, j = u % PER, o = first + t / PER;  // t0 is a multiple of PER
+        if (j == 0) {
+#pragma unroll
+          for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+        }
+        bool ge[3];
+#pragma unroll
+        for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], s, i);
+        if (lane == o) dec[j] = wf[j];
+        const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
+        const float err_own = __fsub_rn(wf[j], lvl_s);
+#pragma unroll
+        for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[u % PREFETCH][jj], err_own));
+        const float err = __shfl_sync(kFull, err_own, o);
+#pragma unroll
+        for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[u % PREFETCH][jj], err));
+        if (t + PREFETCH < FBW) load_cols(ring[u % PREFETCH], brows + (t + PREFETCH) * D);
+      }
+    }
+  } else {
+#pragma unroll
+  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
   block_levels();
 #pragma unroll 1
   for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
@@ -193,6 +244,7 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
       for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
       if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
+  }
   }
   // Each lane's own channels, from the values it decided them from, with the same tests: the code,
   // and the band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is

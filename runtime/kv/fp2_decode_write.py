@@ -248,15 +248,19 @@ class Fp2DecodeWrites:
         from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite, unsupported
 
         sides = (self.spec.k, self.spec.v)
+        # the chain's blocks, one build for both sides (a block of the whole head is none)
+        fbs = {0 if s.feedback_block == self.head_dim else s.feedback_block for s in sides if s.feedback}
         why = None
         if self.device.type != "cuda":
             why = f"the cache is on {self.device}"
         elif not self.static_decode_ok or any(s.asymmetric for s in sides):
             why = "the format is not flushed 1 token at a time into symmetric channel blocks"
+        elif len(fbs) > 1:
+            why = f"feedback blocks {sorted(fbs)} differ between keys and values"
         else:
             why = unsupported(
                 self.head_dim, tuple(s.block_size for s in sides), tuple(s.scale_dtype for s in sides),
-                tuple(s.scale_rule for s in sides),
+                tuple(s.scale_rule for s in sides), min(fbs, default=0),
             )  # fmt: skip
         if why is not None:
             if want:
@@ -267,6 +271,7 @@ class Fp2DecodeWrites:
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
         cfg = DecodeWriteConfig(
-            self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype, self.v.layout == "quad"
+            self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype, self.v.layout == "quad",
+            min(fbs, default=0),
         )
         return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), MSE_FRACTIONS, self.device)
