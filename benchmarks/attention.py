@@ -235,16 +235,15 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
     sequence's pages (the layer's pools; in the engine they go W slots past the attended range)."""
     import torch
 
-    from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite
+    from zerodram.kernels.kv_write import Fp2DecodeWrite
     from zerodram.runtime.kv.feedback import block_mask
     from zerodram.runtime.kv.format import parse_kv_spec
+    from zerodram.runtime.kv.fp2_decode_write import decode_write_config
     from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
     spec = parse_kv_spec(kv).spec  # checked by run()
     dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
-    # the one chain over the head, whatever the blocks (the same codes: a zero factor adds nothing)
-    cfg = DecodeWriteConfig(D, D // layer.k_scales.shape[-1], D // layer.v_scales.shape[-1], spec.k.scale_dtype,
-                            v_quad=layer.v_layout == "quad")  # fmt: skip
+    cfg, _ = decode_write_config(spec, D, v_quad=layer.v_layout == "quad")  # the cache's build (checked by run())
     write = Fp2DecodeWrite(cfg, (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev)
     hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]  # [B + 1, H, R, D]
     y = [torch.randn(B, HKV, D, device=dev, generator=gen).bfloat16() for _ in range(2)]
@@ -354,9 +353,9 @@ def _write_kv_problem(kv: str) -> str | None:
     if any(x.block_axis != "channel" or x.block_size != 64 or x.scale_dtype != "e4m3" for x in sides):
         # the write goes into the timed decode's pools (random_fp2_layer's defaults)
         return "the pools timed here have E4M3 scales over blocks of 64 channels (c64): the append's must match"
-    if any(x.feedback_block and D % x.feedback_block for x in sides):
-        return f"feedback blocks must divide the head dim {D}"
-    return None
+    from zerodram.runtime.kv.fp2_decode_write import decode_write_config
+
+    return decode_write_config(spec, D, v_quad=False)[1]  # the kernel's limits (the layout changes none)
 
 
 def run(args: argparse.Namespace) -> int:

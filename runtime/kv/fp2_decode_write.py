@@ -24,6 +24,7 @@ import torch
 
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.decode_index import DecodeIndices, StaticDecodeIndex
+from zerodram.runtime.kv.format import Fp2Spec
 from zerodram.runtime.kv.quantize import quantize_stored, to_stored_space
 from zerodram.runtime.kv.scales import encode_scale
 
@@ -245,23 +246,15 @@ class Fp2DecodeWrites:
     def _static_writer(self, want: bool | None):
         """The decode-write kernel for `write_decode_static` (None: its torch body). `want` None:
         the kernel where the device and the format allow it; True: the kernel or ConfigError."""
-        from zerodram.kernels.kv_write import DecodeWriteConfig, Fp2DecodeWrite, unsupported
+        from zerodram.kernels.kv_write import Fp2DecodeWrite
 
-        sides = (self.spec.k, self.spec.v)
-        # the chain's blocks, one build for both sides (a block of the whole head is none)
-        fbs = {0 if s.feedback_block == self.head_dim else s.feedback_block for s in sides if s.feedback}
-        why = None
+        cfg, why = None, None
         if self.device.type != "cuda":
             why = f"the cache is on {self.device}"
-        elif not self.static_decode_ok or any(s.asymmetric for s in sides):
+        elif not self.static_decode_ok or any(s.asymmetric for s in (self.spec.k, self.spec.v)):
             why = "the format is not flushed 1 token at a time into symmetric channel blocks"
-        elif len(fbs) > 1:
-            why = f"feedback blocks {sorted(fbs)} differ between keys and values"
         else:
-            why = unsupported(
-                self.head_dim, tuple(s.block_size for s in sides), tuple(s.scale_dtype for s in sides),
-                tuple(s.scale_rule for s in sides), min(fbs, default=0),
-            )  # fmt: skip
+            cfg, why = decode_write_config(self.spec, self.head_dim, v_quad=self.v.layout == "quad")
         if why is not None:
             if want:
                 raise ConfigError(f"the FP2 decode-write kernel cannot serve this cache: {why}")
@@ -270,8 +263,23 @@ class Fp2DecodeWrites:
             return None
         from zerodram.runtime.kv.quantize import MSE_FRACTIONS
 
-        cfg = DecodeWriteConfig(
-            self.head_dim, sides[0].block_size, sides[1].block_size, sides[0].scale_dtype, self.v.layout == "quad",
-            min(fbs, default=0),
-        )
-        return Fp2DecodeWrite(cfg, tuple(s.scale_rule for s in sides), MSE_FRACTIONS, self.device)
+        return Fp2DecodeWrite(cfg, (self.spec.k.scale_rule, self.spec.v.scale_rule), MSE_FRACTIONS, self.device)
+
+
+def decode_write_config(spec: Fp2Spec, head_dim: int, v_quad: bool):
+    """(the decode-write kernel's build for this format, None), or (None, why it has none). Only
+    the kernel's own limits: the device and the flush schedule are the caller's to check. Shared by
+    the cache and `bench attention --write-kv`, so the timed build is the served one."""
+    from zerodram.kernels.kv_write import DecodeWriteConfig, unsupported
+
+    k, v = spec.k, spec.v
+    # the chain's blocks, one build for both sides (a block of the whole head is none)
+    fbs = {0 if s.feedback_block == head_dim else s.feedback_block for s in (k, v) if s.feedback}
+    if len(fbs) > 1:
+        return None, f"feedback blocks {sorted(fbs)} differ between keys and values"
+    fb = min(fbs, default=0)
+    why = unsupported(head_dim, (k.block_size, v.block_size), (k.scale_dtype, v.scale_dtype),
+                      (k.scale_rule, v.scale_rule), fb)  # fmt: skip
+    if why is not None:
+        return None, why
+    return DecodeWriteConfig(head_dim, k.block_size, v.block_size, k.scale_dtype, v_quad, fb), None
