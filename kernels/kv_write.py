@@ -74,10 +74,10 @@ def unsupported(
         return f"scale dtypes {scale_dtypes} (both e4m3 or both e8m0)"
     if any(r not in RULES for r in rules):
         return f"scale rules {rules} (absmax or mse)"
-    fb, per = feedback_block, head_dim // 32
-    if fb and (fb >= head_dim or head_dim % fb or fb % (per * 8 // math.gcd(per, 8)) or any(b % fb for b in blocks)):
-        # whole chain steps (fp2_write_row.cuh CHAIN_STEP: lcm(D / 32, 8)) inside each scale block
-        return f"feedback blocks of {fb} channels (whole steps of {per * 8 // math.gcd(per, 8)} inside the scale blocks {blocks})"
+    fb, step = feedback_block, math.lcm(head_dim // 32, 8)  # fp2_write_row.cuh CHAIN_STEP
+    if fb and (fb >= head_dim or head_dim % fb or fb % step or any(b % fb for b in blocks)):
+        return (f"feedback blocks of {fb} channels (the kernel takes blocks smaller than the head dim {head_dim} "
+                f"and dividing it, whole chain steps of {step} channels, inside the scale blocks {blocks})")
     return None
 
 
