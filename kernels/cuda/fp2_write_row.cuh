@@ -210,41 +210,41 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
         if (t + PREFETCH < FBW) load_cols(ring[u % PREFETCH], brows + (t + PREFETCH) * D);
       }
     }
-  } else {
+  } else {  // the one chain over the head
 #pragma unroll
-  for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
-  block_levels();
+    for (int p = 0; p < PREFETCH; ++p) load_cols(ring[p], rows + p * D + PER * lane);
+    block_levels();
 #pragma unroll 1
-  for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
-    if constexpr (BS % CHAIN_STEP == 0) {
-      if (c0 > 0 && c0 % BS == 0) next_block(), block_levels();
-    }
-#pragma unroll
-    for (int t = 0; t < CHAIN_STEP; ++t) {
-      const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
-      if constexpr (BS % CHAIN_STEP != 0) {
-        if (c > 0 && c % BS == 0) next_block(), block_levels();
+    for (int c0 = 0; c0 < D; c0 += CHAIN_STEP) {
+      if constexpr (BS % CHAIN_STEP == 0) {
+        if (c0 > 0 && c0 % BS == 0) next_block(), block_levels();
       }
-      if (j == 0) {
 #pragma unroll
-        for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+      for (int t = 0; t < CHAIN_STEP; ++t) {
+        const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
+        if constexpr (BS % CHAIN_STEP != 0) {
+          if (c > 0 && c % BS == 0) next_block(), block_levels();
+        }
+        if (j == 0) {
+#pragma unroll
+          for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+        }
+        bool ge[3];
+#pragma unroll
+        for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], sb[0], i);
+        if (lane == o) dec[j] = wf[j];
+        // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
+        const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
+        const float err_own = __fsub_rn(wf[j], lvl_s);
+#pragma unroll
+        for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
+        const float err = __shfl_sync(kFull, err_own, o);
+        // every lane's channels, those <= c too (never read again; a branch costs more)
+#pragma unroll
+        for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
+        if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
       }
-      bool ge[3];
-#pragma unroll
-      for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], sb[0], i);
-      if (lane == o) dec[j] = wf[j];
-      // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
-      const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
-      const float err_own = __fsub_rn(wf[j], lvl_s);
-#pragma unroll
-      for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
-      const float err = __shfl_sync(kFull, err_own, o);
-      // every lane's channels, those <= c too (never read again; a branch costs more)
-#pragma unroll
-      for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
-      if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
     }
-  }
   }
   // Each lane's own channels, from the values it decided them from, with the same tests: the code,
   // and the band test, -tol < r <= -0, on the bits: |r| < tol with the sign bit set is
