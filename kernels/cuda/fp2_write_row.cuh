@@ -171,6 +171,28 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
 #pragma unroll
     for (int k = 0; k < 4; ++k) ls[k] = __fmul_rn(l[k], sb[0]);
   };
+  // One step: lane o decides its channel j (at scale s) and every lane takes the error through the
+  // factor's row r, its own columns. Both chains below run it; j, o and the ring slot are
+  // compile-time after unrolling.
+  auto chain_step = [&](int j, int o, float s, const float (&r)[PER]) {
+    if (j == 0) {
+#pragma unroll
+      for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
+    }
+    bool ge[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], s, i);
+    if (lane == o) dec[j] = wf[j];
+    // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
+    const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
+    const float err_own = __fsub_rn(wf[j], lvl_s);
+#pragma unroll
+    for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(r[jj], err_own));
+    const float err = __shfl_sync(kFull, err_own, o);
+    // every lane's channels, those already decided too (never read again; a branch costs more)
+#pragma unroll
+    for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(r[jj], err));
+  };
   if constexpr (FBW < D) {
     // The blocks side by side (FB_BLOCK): step t decides channel FBW b + t of every block b at once,
     // lane group b (lanes LPB b .. LPB b + LPB - 1) the one that holds block b's channels. The
@@ -191,22 +213,8 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
     for (int t0 = 0; t0 < FBW; t0 += CHAIN_STEP) {
 #pragma unroll
       for (int u = 0; u < CHAIN_STEP; ++u) {
-        const int t = t0 + u, j = u % PER, o = first + t / PER;  // t0 is a multiple of PER
-        if (j == 0) {
-#pragma unroll
-          for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
-        }
-        bool ge[3];
-#pragma unroll
-        for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], s, i);
-        if (lane == o) dec[j] = wf[j];
-        const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
-        const float err_own = __fsub_rn(wf[j], lvl_s);
-#pragma unroll
-        for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[u % PREFETCH][jj], err_own));
-        const float err = __shfl_sync(kFull, err_own, o);
-#pragma unroll
-        for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[u % PREFETCH][jj], err));
+        const int t = t0 + u;
+        chain_step(u % PER, first + t / PER, s, ring[u % PREFETCH]);  // t0 is a multiple of PER
         if (t + PREFETCH < FBW) load_cols(ring[u % PREFETCH], brows + (t + PREFETCH) * D);
       }
     }
@@ -221,27 +229,11 @@ __device__ __forceinline__ bool feedback_codes(const float* __restrict__ sh_v, i
       }
 #pragma unroll
       for (int t = 0; t < CHAIN_STEP; ++t) {
-        const int c = c0 + t, o = c / PER, j = t % PER;  // c0 is a multiple of PER
+        const int c = c0 + t;
         if constexpr (BS % CHAIN_STEP != 0) {
           if (c > 0 && c % BS == 0) next_block(), block_levels();
         }
-        if (j == 0) {
-#pragma unroll
-          for (int jj = 0; jj < PER; ++jj) wf[jj] = wt[jj];
-        }
-        bool ge[3];
-#pragma unroll
-        for (int i = 0; i < 3; ++i) ge[i] = at_or_above(wf[j], sb[0], i);
-        if (lane == o) dec[j] = wf[j];
-        // the tests are monotone (ge[2] -> ge[1] -> ge[0]): two selects deep
-        const float lvl_s = ge[1] ? (ge[2] ? ls[3] : ls[2]) : (ge[0] ? ls[1] : ls[0]);
-        const float err_own = __fsub_rn(wf[j], lvl_s);
-#pragma unroll
-        for (int jj = j + 1; jj < PER; ++jj) wf[jj] = __fsub_rn(wf[jj], __fmul_rn(ring[t % PREFETCH][jj], err_own));
-        const float err = __shfl_sync(kFull, err_own, o);
-        // every lane's channels, those <= c too (never read again; a branch costs more)
-#pragma unroll
-        for (int jj = 0; jj < PER; ++jj) wt[jj] = __fsub_rn(wt[jj], __fmul_rn(ring[t % PREFETCH][jj], err));
+        chain_step(t % PER, c / PER, sb[0], ring[t % PREFETCH]);  // c0 is a multiple of PER
         if (c + PREFETCH < D) load_cols(ring[t % PREFETCH], rows + (c + PREFETCH) * D + PER * lane);
       }
     }
