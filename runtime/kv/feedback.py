@@ -46,7 +46,7 @@ def feedback_factor(weight: torch.Tensor, damp: float = DAMP, block: int = 0) ->
     as 0, so U is block diagonal and a rounding error reaches only the channels of its own block of
     `block` consecutive channels. Each block is then a chain of its own, which a writer may run
     beside the others: the same codes as the one chain over the head (a zero factor subtracts an
-    exact zero). On SmolLM2 (D = 64) blocks of 32 kept 86% of the feedback's perplexity gain
+    exact zero). On SmolLM2 (D = 64) blocks of 32 kept 80-86% of the feedback's perplexity gain
     (docs/kv-quality.md).
     Returns fp32 [H, D, D], upper triangular.
 
