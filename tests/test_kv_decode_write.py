@@ -208,6 +208,7 @@ def _decode_batch(cache, live: list[int], Bp: int):
         ("fp2:fb=1,tail=1,window=1,sinks=0", 64, 3),
         ("fp2:fb=1,tail=1,window=5,kblk=c32,vblk=c64", 128, 5),
         ("fp2:vfb=1,tail=1,window=100,kblk=c64,vblk=c32,scale=e8m0", 128, 8),
+        ("fp2:fb=1,fbblk=32,tail=1,window=47", 128, 4),  # the blocks' chains side by side
     ],
 )
 def test_pending_append_equals_write_then_decode(fmt: str, d: int, group: int) -> None:
@@ -230,6 +231,9 @@ def test_pending_append_equals_write_then_decode(fmt: str, d: int, group: int) -
     spec = a.spec
     g = torch.Generator().manual_seed(11)
     factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
+    if spec.k.feedback_block:  # the format's factor: zero between its blocks
+        blk = torch.arange(d) // spec.k.feedback_block
+        factor = factor * (blk[:, None] == blk[None, :])
     for c in (a, b):  # a random factor where the format feeds errors back (calibration's shape)
         c.params = tuple(
             dataclasses.replace(p, feedback=factor) if side.feedback else p
