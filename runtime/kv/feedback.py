@@ -55,7 +55,7 @@ def feedback_factor(weight: torch.Tensor, damp: float = DAMP, block: int = 0) ->
     """
     w = weight.double()
     D = w.shape[-1]
-    if block and (block > D or D % block):
+    if block and D % block:  # (a block wider than the head leaves a remainder too)
         raise ConfigError(f"feedback blocks of {block} channels do not divide the head dim {D}", field="fbblk")
     if block:
         w = w * block_mask(D, block, w.device)
