@@ -470,7 +470,7 @@ def test_feedback_blocks_refuse_a_factor_across_them() -> None:
 
 def test_decode_write_config_takes_the_blocks_of_the_sides_with_feedback() -> None:
     """`decode_write_config`, the build the cache and `bench attention --write-kv` share: one block
-    width for both sides (a block of the whole head is none; a side without feedback has no say),
+    width for both sides (a block of the whole head is none; a side without feedback has none),
     and blocks that differ between the sides refused with the reason (no GPU needed)."""
     from zerodram.runtime.kv.format import parse_kv_spec
     from zerodram.runtime.kv.fp2_decode_write import decode_write_config
@@ -482,7 +482,7 @@ def test_decode_write_config_takes_the_blocks_of_the_sides_with_feedback() -> No
     assert why is None and (cfg.feedback_block, cfg.head_dim, cfg.k_block, cfg.v_quad) == (32, 128, 64, True)
     assert config("fp2:fb=1,fbblk=128,tail=1,window=47")[0].feedback_block == 0
     assert config("fp2:fb=1,tail=1,window=47")[0].feedback_block == 0
-    assert config("fp2:kfb=1,kfbblk=32,vfbblk=64,tail=1,window=47")[0].feedback_block == 32
+    assert config("fp2:kfb=1,fbblk=32,tail=1,window=47")[0].feedback_block == 32  # the bare fbblk: keys only
     cfg, why = config("fp2:kfb=1,vfb=1,kfbblk=32,vfbblk=64,tail=1,window=47")
     assert cfg is None and "differ between keys and values" in why
     cfg, why = config("fp2:fb=1,fbblk=16,tail=1,window=47", d=256)  # chain steps of 8: 16 is two

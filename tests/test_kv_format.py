@@ -28,11 +28,21 @@ def test_parse_names_and_options() -> None:
     assert (spec.k.block_axis, spec.k.block_size, spec.k.rotate) == ("token", 32, False)
     assert (spec.v.block_axis, spec.v.block_size, spec.v.rotate) == ("channel", 16, True)
     assert spec.num_sinks == 8 and spec.k.scale_dtype == spec.v.scale_dtype == "e8m0"
+    # the bare fbblk reaches the sides with feedback only
+    spec = parse_kv_spec("fp2:kfb=1,fbblk=32").spec
+    assert (spec.k.feedback_block, spec.v.feedback, spec.v.feedback_block) == (32, False, 0)
+    spec = parse_kv_spec("fp2:fb=1,fbblk=32,vfbblk=16").spec
+    assert (spec.k.feedback_block, spec.v.feedback_block) == (32, 16)
 
 
 @pytest.mark.parametrize(
     "text",
-    ["fp3", "fp2:blk=x4", "fp2:nope=1", "fp2:rot=maybe", "fp2:kblk=t48", "fp2:tail=48", "fp2:vprerope=1", "bf16:x=1"],
+    [
+        *("fp3", "fp2:blk=x4", "fp2:nope=1", "fp2:rot=maybe", "fp2:kblk=t48", "fp2:tail=48", "fp2:vprerope=1"),
+        "bf16:x=1",
+        # feedback blocks without feedback (they would do nothing), and negative ones
+        *("fp2:fbblk=32", "fp2:kfb=1,vfbblk=32", "fp2:fb=1,fbblk=-1"),
+    ],
 )
 def test_parse_rejects(text: str) -> None:
     with pytest.raises(ConfigError):

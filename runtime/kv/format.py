@@ -82,6 +82,13 @@ class Fp2TensorSpec:
             raise ConfigError(f"outlier fraction must be in [0, 0.5), got {self.outlier_frac}")
         if self.feedback_block < 0:
             raise ConfigError(f"feedback block must be >= 0 (0: the whole head), got {self.feedback_block}")
+        if self.feedback_block and not self.feedback:
+            # an option that would do nothing: refused rather than silently ignored
+            raise ConfigError(
+                f"feedback blocks of {self.feedback_block} channels on a side without error feedback "
+                "(set fb=1 for that side, or drop its fbblk)",
+                field="fbblk",
+            )
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,11 @@ def _side_updates(opts: dict[str, str], prefix: str) -> dict:
     for key, value in opts.items():
         if key[:1] == prefix and key[1:] in _SIDE_KEYS:
             upd.update(_side_value(key[1:], key, value))
+    has_feedback = upd.get("feedback", getattr(DEFAULT_SPEC, prefix).feedback)
+    if "fbblk" in opts and f"{prefix}fbblk" not in opts and not has_feedback:
+        # the bare fbblk reaches only the sides with feedback (`kfb=1,fbblk=32`: keys' blocks);
+        # a side's own `Xfbblk` without feedback is refused (Fp2TensorSpec)
+        upd.pop("feedback_block")
     return upd
 
 
@@ -270,6 +282,8 @@ def parse_kv_spec(text: str) -> ParsedKV:
     try:
         k = replace(DEFAULT_SPEC.k, **_side_updates(opts, "k"))
         v = replace(DEFAULT_SPEC.v, **_side_updates(opts, "v"))
+        if "fbblk" in opts and not (k.feedback or v.feedback):
+            raise ConfigError(f"{text}: fbblk on a format without error feedback (set fb=1)", field="fbblk")
         spec = replace(
             DEFAULT_SPEC,
             k=k,
