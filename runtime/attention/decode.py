@@ -141,7 +141,9 @@ class Fp2DecodeAttention:
             ctas = (self.max_splits + 1) * num_kv_heads * max_batch
             self.timeline = torch.zeros(ctas, TIMELINE_COLS, dtype=torch.int64, device=self.device) if timeline else None
 
-    CTA_SLOTS_CPU = 132 * 4  # plan() on CPU (tests): an H200's 132 SMs x 4 resident decode CTAs
+    # plan() on CPU (tests, workspace sizing): 132 SMs x 4 CTAs, a nominal figure; on a GPU the
+    # driver's occupancy decides (3 an SM for the current kernel on the H100 and the H200)
+    CTA_SLOTS_CPU = 132 * 4
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
     MIN_SPLIT_TOKENS = 1024  # sets the most splits: ~8 stages per warp, prologue and combine stay small
 
