@@ -11,6 +11,7 @@ from kv_cases import FORMATS, D, H, kv_tokens, make_cache
 
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.feedback import block_mask
 
 
 def _state(c) -> list[torch.Tensor]:
@@ -122,9 +123,7 @@ def test_static_decode_write_equals_append_decode(fmt: str, device: str, d: int,
     if "fb=1" in fmt:
         g = torch.Generator().manual_seed(3)
         factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
-        if "fbblk=32" in fmt:  # the format's factor: zero between its blocks
-            blk = torch.arange(d) // 32
-            factor = factor * (blk[:, None] == blk[None, :])
+        factor = factor * block_mask(d, a.spec.k.feedback_block)  # the format's: zero between its blocks
         for c in (a, b):
             c.params = tuple(dataclasses.replace(p, feedback=factor) for p in c.params)
     gen = torch.Generator().manual_seed(7)
@@ -231,9 +230,7 @@ def test_pending_append_equals_write_then_decode(fmt: str, d: int, group: int) -
     spec = a.spec
     g = torch.Generator().manual_seed(11)
     factor = (torch.eye(d) + 0.2 * torch.randn(H, d, d, generator=g).tril(-1)).transpose(1, 2)  # upper
-    if spec.k.feedback_block:  # the format's factor: zero between its blocks
-        blk = torch.arange(d) // spec.k.feedback_block
-        factor = factor * (blk[:, None] == blk[None, :])
+    factor = factor * block_mask(d, spec.k.feedback_block)  # the format's factor: zero between its blocks
     for c in (a, b):  # a random factor where the format feeds errors back (calibration's shape)
         c.params = tuple(
             dataclasses.replace(p, feedback=factor) if side.feedback else p
