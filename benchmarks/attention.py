@@ -9,7 +9,8 @@ Hkv = 8 kv heads, D = 128, P = 64 page size.
 
 Timing: each launch sequence is captured once in a CUDA graph (as the engine's decode step runs)
 and replayed; CUDA events around each replay, a 256 MB L2 flush (a read) before every repetition, warm-up,
-medians. The same for the FP16 baseline. FP2 = the one decode kernel (q scaling, the bf16 tokens and
+0.2 s of idle, medians; a variant's split counts with their repetitions interleaved, so each count
+sees the same GPU. The same for the FP16 baseline. FP2 = the one decode kernel (q scaling, the bf16 tokens and
 the merge included; the [D, D] rotations of q and the output are not, see docs/benchmarks.md). FP16 = `F.scaled_dot_product_attention(q, k, v,
 enable_gqa=True)` on contiguous [B, H, L, D] tensors (no paging). torch has no FP8-KV attention
 path (SDPA rejects float8 inputs), so none is timed. Also times the write kernel: one token per
@@ -25,7 +26,11 @@ low-priority stream (`defer1_added_ms`: per layer of four in one graph, over pla
 adds, the step's last write counted in neither; `defer1_alone_added_ms`: one layer, joined right
 after; `--no-defer` skips them).
 
-Every timed FP2 variant is also checked: its output for the first and the last sequence against the
+The plan's split count (`plan_splits`) comes from the GPU's measured split table where one covers
+the case (`plan_source`: table; runtime/attention/split_table.py), else from the wave model
+(`wave_splits`; `--splits 0,wave` times both). `split_key` names the kernel build a table is for.
+
+Every timed FP2 variant is also checked, after its counts are timed: its output for the first and the last sequence against the
 plain-torch reference (`reference_decode`, the GPU tests' definition and tolerance, 3e-3 relative),
 in the JSON as `check_rel_err` (the worst over the variants). A case over the tolerance is printed
 and the script exits 1 after the table: a wrong kernel's time is not a result (and an A/B of source
@@ -88,8 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--splits",
         default="0",
-        help="split counts to time each variant at, comma separated (0: the plan's; a forced count "
-        "beyond the workspace the plan sizes is skipped)",
+        help="split counts to time each variant at, comma separated (0: the plan's, from the GPU's "
+        "split table where one covers the case; wave: the wave model's; a forced count beyond the "
+        "workspace the plan sizes is skipped)",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
@@ -109,7 +115,7 @@ def _case(
     B: int,
     L: int,
     configs: list[tuple[int, int, int, int | None]],
-    forced_splits: list[int | None],
+    forced_splits: list[int | str | None],
     args: argparse.Namespace,
     flush,
     copy_bw: float,
@@ -125,7 +131,7 @@ def _case(
         random_decode_batch,
         random_fp2_layer,
     )
-    from zerodram.runtime.metrics.devtime import median_ms
+    from zerodram.runtime.metrics.devtime import median_ms, medians_ms
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
@@ -149,17 +155,35 @@ def _case(
         name += "-quad" if v_layout == "quad" else ""
         # random words are as random in either layout: the same pools, labelled
         vl_layer = replace(layer, v_layout=v_layout)
+        row["split_key"] = att.kernels.cfg.split_key()
+        row["plan_splits"], row["wave_splits"] = att.plan(B, L)[0], att.wave_plan(B, L)[0]
+        row["plan_source"] = "table" if att.split_table and att.split_table.lookup(B, L) else "wave"
+        timed = []  # (forced, splits, tag) of each count the workspace holds
         for forced in forced_splits:
-            splits = att.plan(B, L)[0] if forced is None else att.split(L, forced)[0]
+            if forced == "wave":
+                forced = row["wave_splits"]
+                splits, tag = forced, f"{name}-wave"
+            elif forced is None:
+                splits, tag = row["plan_splits"], name
+            else:
+                splits = att.split(L, forced)[0]
+                tag = f"{name}-s{splits}"
             if splits > att.max_splits:
                 print(f"# B={B} L={L}: {forced} splits exceed the workspace's {att.max_splits}, skipped", file=sys.stderr)
                 continue
-            tag = name if forced is None else f"{name}-s{splits}"
-            ms = median_ms(
-                lambda att=att, vl_layer=vl_layer, forced=forced: att(q, vl_layer, batch, max_len=L, num_splits=forced),
-                args.reps,
-                flush,
-            )
+            timed.append((forced, splits, tag))
+        # The counts' repetitions interleaved and every check after them: a count timed right after
+        # another's check (its reference dequantizes ~1 GB a sequence at 128k) ran up to 16% slower
+        # (docs/benchmarks.md, "What the first count timed had").
+        times = medians_ms(
+            [
+                lambda att=att, vl_layer=vl_layer, forced=forced: att(q, vl_layer, batch, max_len=L, num_splits=forced)
+                for forced, _, _ in timed
+            ],
+            args.reps,
+            flush,
+        )
+        for (forced, splits, tag), ms in zip(timed, times, strict=True):
             row[f"fp2_ms_{tag}"] = ms
             err = check_rel_err(att, q, vl_layer, batch, L, forced)
             row["check_rel_err"] = max(row.get("check_rel_err", 0.0), err)
@@ -366,9 +390,12 @@ def run(args: argparse.Namespace) -> int:
     if args.l2_pages < 0:
         print(f"--l2-pages takes a page count >= 0 (0: off), got {args.l2_pages}", file=sys.stderr)
         return 2
-    forced_splits = [int(x) or None for x in args.splits.split(",")]
-    if any(x is not None and x < 0 for x in forced_splits):
-        print(f"--splits takes counts >= 0 (0: the plan's), got {args.splits}", file=sys.stderr)
+    try:
+        forced_splits = [x if x == "wave" else int(x) or None for x in args.splits.split(",")]
+    except ValueError:
+        forced_splits = [-1]
+    if any(isinstance(x, int) and x < 0 for x in forced_splits):
+        print(f"--splits takes counts >= 0 (0: the plan's) or 'wave', got {args.splits}", file=sys.stderr)
         return 2
     why = _write_kv_problem(args.write_kv)
     if why:

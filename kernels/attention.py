@@ -73,6 +73,15 @@ class Fp2KernelConfig:
             "TIMELINE": int(self.timeline),
         }
 
+    def split_key(self) -> str:
+        """The decode build's name in measured split tables (runtime/attention/split_table.py):
+        every define that shapes its work, and the register options (a timeline build times like
+        the plain one, so it is left out)."""
+        d = self.defines()
+        del d["TIMELINE"]
+        opts = f"r{self.max_registers}u{self.register_usage}"
+        return "-".join(f"{k.lower()}{v}" for k, v in d.items()) + "-" + opts
+
     @property
     def write_warps_per_block(self) -> int:
         """attn_fp2_write's search warps per scale block: `write_search_warps`, as many as fit in

@@ -16,6 +16,7 @@ from attention_cases import kernel_side, kv_cache_case, make_attention, paged_ca
 
 from zerodram.runtime.attention import (
     DecodeBatch,
+    Fp2DecodeAttention,
     Fp2Writer,
     random_decode_batch,
     random_fp2_layer,
@@ -261,6 +262,38 @@ def test_gpu_bf16_region_in_chunks_and_sequences_without_tokens(G: int) -> None:
                 assert (out[b] == 0).all(), b
             else:
                 assert rel_error(out[b], ref[b]) < 3e-3, (B, b, rel_error(out[b], ref[b]))
+
+
+@pytest.mark.gpu
+def test_gpu_plan_takes_the_packaged_split_table() -> None:
+    """Where the package has a measured split table for this GPU and the benchmark's build (Hq 32,
+    Hkv 8, D 128, int8 keys, quad values), the module takes it: its plan is the table's count, the
+    workspace holds it, and a ragged batch planned by it (grid and off-grid sizes) matches the
+    reference. Elsewhere (no table for this GPU) the wave model plans and this test skips."""
+    from zerodram.kernels.attention import Fp2KernelConfig
+    from zerodram.runtime.attention.split_table import find_table
+
+    D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
+    key = Fp2KernelConfig(D, G, key_s8=True, v_quad=True).split_key()
+    table = find_table(torch.cuda.get_device_name(), key, Hkv, P)
+    if table is None:
+        pytest.skip(f"no split table for {torch.cuda.get_device_name()} and {key}")
+    att = Fp2DecodeAttention(
+        num_q_heads=G * Hkv, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=32, max_fp2_tokens=131072,
+        device=dev, key_s8=True, v_layout="quad",
+    )  # fmt: skip
+    assert att.split_table == table
+    for B, L in ((1, 131072), (8, 131072), (3, 20000), (24, 100000), (32, 4096)):
+        assert att.plan(B, L) == att.split(L, min(table.lookup(B, L), math.ceil(L / 1024))), (B, L)
+        assert att.plan(B, L)[0] <= att.max_splits
+    for lengths in ([20000, 7, 19999], [5000, 4096, 1, 300, 64]):
+        layer, batch, gdev = paged_case(lengths, [4] * len(lengths), 13, Hkv=Hkv, P=P, D=D, device=dev, v_layout="quad")
+        q = torch.randn(len(lengths), G * Hkv, D, device=dev, generator=gdev)
+        att.out.fill_(float("nan"))
+        out = att(q, layer, batch, max_len=max(lengths)).clone()
+        ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
+        for b, n in enumerate(lengths):
+            assert rel_error(out[b], ref[b]) < 3e-3, (lengths, n, att.plan(len(lengths), max(lengths)))
 
 
 @pytest.mark.gpu

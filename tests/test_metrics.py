@@ -262,9 +262,9 @@ def test_benchmark_clock_and_copy_bandwidth_on_cpu() -> None:
 
 def test_medians_interleave_their_repetitions(monkeypatch: pytest.MonkeyPatch) -> None:
     """`medians_ms` times its functions turn about (a, b, a, b, ...) after each one's warm-up, and
-    reads each one's median; `median_ms` is its one-function case. CUDA events are stood in for by
-    a clock that each function advances by a known number of ticks, with one slow repetition of
-    each, which the medians must ignore."""
+    reads each one's median, the timed repetitions after a settling idle; `median_ms` is its
+    one-function case. CUDA events are stood in for by a clock that each function advances by a
+    known number of ticks, with one slow repetition of each, which the medians must ignore."""
     from zerodram.runtime.metrics import devtime
 
     ticks = [0]
@@ -293,9 +293,10 @@ def test_medians_interleave_their_repetitions(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(torch.cuda, "Event", TickEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(devtime.time, "sleep", lambda s: calls.append(f"|{s}|"))
     flush = torch.zeros(4)
     assert devtime.medians_ms([work("a", 2), work("b", 5)], 5, flush, graph=False) == [2.0, 5.0]
-    assert "".join(calls) == "aaabbb" + "ab" * 7
+    assert "".join(calls) == f"aaabbb|{devtime.SETTLE_S}|" + "ab" * 7
     calls.clear()
     assert devtime.median_ms(work("c", 3), 5, flush, graph=False) == 3.0
-    assert calls == ["c"] * 10
+    assert calls == ["c"] * 3 + [f"|{devtime.SETTLE_S}|"] + ["c"] * 7

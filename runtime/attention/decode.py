@@ -9,12 +9,13 @@ size, HP bf16 tokens per sequence, S split slots.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer, expect_input
 from zerodram.runtime.attention.reference import LOG2E, VALUE_PRODUCTS, int8_key_levels, reference_decode
+from zerodram.runtime.attention.split_table import SplitTable, find_table
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError
@@ -43,6 +44,9 @@ class Fp2DecodeAttention:
             `self.timeline` ([CTAs, TIMELINE_COLS] int64; benchmarks/attention_timeline.py reads it).
         value_product: how weights meet values (`VALUE_PRODUCTS` in reference.py): "exact", or
             "e4m3", what an FP8 value product would compute, on CPU only (no kernel yet).
+        split_table: the measured split counts `plan` takes where they cover a step: "packaged"
+            (the package's table for this GPU model and kernel build, if one exists; on CPU none),
+            a `SplitTable`, or None (the wave model alone).
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -69,6 +73,7 @@ class Fp2DecodeAttention:
         v_layout: CodeLayout = "token",
         timeline: bool = False,
         value_product: str = "exact",
+        split_table: SplitTable | Literal["packaged"] | None = "packaged",
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -113,6 +118,7 @@ class Fp2DecodeAttention:
         self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.on_gpu = self.device.type == "cuda"
         self.timeline: torch.Tensor | None = None  # the stamps of the last call (timeline builds)
+        self.split_table = None if split_table == "packaged" else split_table
         if self.on_gpu:
             from zerodram.kernels.attention import TIMELINE_COLS, Fp2KernelConfig, Fp2Kernels
 
@@ -124,7 +130,9 @@ class Fp2DecodeAttention:
             self.kernels.load()
             props = torch.cuda.get_device_properties(self.device)
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
-            self.max_splits = max(self.plan(b, max_fp2_tokens)[0] for b in range(1, max_batch + 1))
+            if split_table == "packaged":
+                self.split_table = find_table(props.name, cfg.split_key(), num_kv_heads, page_size)
+            self.max_splits = self.most_splits()
             slots = self.max_splits + 1  # the FP2 splits, then the bf16 tokens' partial
             if cfg.merge_smem_bytes(slots) > cfg.decode_smem_bytes:
                 raise ConfigError(
@@ -141,14 +149,33 @@ class Fp2DecodeAttention:
             ctas = (self.max_splits + 1) * num_kv_heads * max_batch
             self.timeline = torch.zeros(ctas, TIMELINE_COLS, dtype=torch.int64, device=self.device) if timeline else None
 
-    # plan() on CPU (tests, workspace sizing): 132 SMs x 4 CTAs, a nominal figure; on a GPU the
+    # wave_plan() on CPU (tests, workspace sizing): 132 SMs x 4 CTAs, a nominal figure; on a GPU the
     # driver's occupancy decides (3 an SM for the current kernel on the H100 and the H200)
     CTA_SLOTS_CPU = 132 * 4
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
     MIN_SPLIT_TOKENS = 1024  # sets the most splits: ~8 stages per warp, prologue and combine stay small
 
+    def most_splits(self) -> int:
+        """The most splits `plan` takes for any batch up to max_batch and length up to
+        max_fp2_tokens (the workspace's size). A table's count at a grid length below the bound may
+        exceed its count at the bound, so those lengths are planned too (within a grid interval a
+        table count only grows with L)."""
+        grid = self.split_table.lengths if self.split_table else []
+        lengths = {self.max_fp2_tokens, *(n for n in grid if n < self.max_fp2_tokens)}
+        return max(self.plan(b, n)[0] for b in range(1, self.max_batch + 1) for n in lengths)
+
     def plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
-        """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only).
+        """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only):
+        the split table's count where it covers the batch (at most ceil(L / MIN_SPLIT_TOKENS)),
+        else `wave_plan`'s."""
+        count = self.split_table.lookup(batch_size, max_len) if self.split_table else None
+        if count is None:
+            return self.wave_plan(batch_size, max_len)
+        return self.split(max_len, min(count, math.ceil(max(max_len, 1) / self.MIN_SPLIT_TOKENS)))
+
+    def wave_plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
+        """(num_splits, split_tokens) from the wave model, for a batch whose longest FP2 range is
+        `max_len` (host only).
 
         The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
         partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs

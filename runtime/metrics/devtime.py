@@ -82,6 +82,9 @@ def copy_bandwidth(num_bytes: int | None = None, reps: int = 10, device: torch.d
     return 2 * n / (statistics.median(times[2:]) * 1e-3)
 
 
+SETTLE_S = 0.2  # idle before timed repetitions: see medians_ms
+
+
 def median_ms(
     fn: Callable[[], object], reps: int, flush: torch.Tensor, *, graph: bool = True,
     capture_stream: torch.cuda.Stream | None = None,
@@ -101,7 +104,13 @@ def medians_ms(
     """`median_ms` of each of `fns`, their repetitions interleaved (a, b, a, b, ...): a difference
     of two long sequences is then not a difference of when each ran. Timed one after the other,
     whichever of two 16-layer decode graphs came second took 55-93 us (up to 11%) longer a layer
-    at B = 32, L = 128k on an H100 (docs/benchmarks.md, "The deferred write over sixteen layers")."""
+    at B = 32, L = 128k on an H100 (docs/benchmarks.md, "The deferred write over sixteen layers").
+
+    The timed repetitions start after SETTLE_S of idle: right after heavy work the GPU runs slow
+    for a while. On an H100 the FP2 decode at B = 8, L = 128k ran 16% slower for ~8 ms after a 1-GB
+    reference check or a 3-GB fill, and 10-15% slower after two seconds of GEMMs, whose power cap
+    held the SM clock at 1245-1440 MHz until ~200 ms later (docs/benchmarks.md, "What the first
+    count timed had"); without the idle, whatever ran just before a call would set its time."""
     runs = []
     for fn in fns:
         for _ in range(3):
@@ -114,6 +123,8 @@ def medians_ms(
                 fn()
             run = g.replay
         runs.append(run)
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_S)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps + 2):
         for run, ts in zip(runs, times, strict=True):

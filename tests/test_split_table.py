@@ -1,0 +1,167 @@
+"""Measured split tables (runtime/attention/split_table.py): lookup, the plan that takes them, the
+files' parser and writer, the packaged tables, and the builder (benchmarks/split_table.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from attention_cases import make_attention
+from bench_cli import load_script
+
+from zerodram.runtime.attention import Fp2DecodeAttention
+from zerodram.runtime.attention.split_table import (
+    TABLE_DIR,
+    SplitTable,
+    device_file,
+    find_table,
+    merge_table,
+    parse_tables,
+)
+from zerodram.runtime.errors import ConfigError
+
+GRID = {1: {4096: 4, 131072: 32}, 8: {4096: 2, 131072: 4}, 32: {4096: 1, 131072: 8}}
+
+
+def table(counts=GRID, kernel: str = "k", hkv: int = 8, device: str = "Test GPU 80GB") -> SplitTable:
+    return SplitTable(device, kernel, hkv, 64, "a test", counts)
+
+
+def test_lookup_takes_the_grid_point_at_or_above_the_step() -> None:
+    """On the grid: its count. Between lengths: the next grid length's. Between batch sizes: the
+    next grid batch's split CTAs (count x B_grid / B, rounded). Beyond the grid: none."""
+    t = table()
+    assert t.lookup(8, 131072) == 4 and t.lookup(1, 4096) == 4
+    assert t.lookup(8, 5000) == 4 and t.lookup(8, 4096) == 2 and t.lookup(8, 1) == 2
+    assert t.lookup(5, 131072) == round(4 * 8 / 5)  # 32 split CTAs -> 6 splits of 5 rows
+    assert t.lookup(24, 131072) == round(8 * 32 / 24)
+    assert t.lookup(33, 4096) is None and t.lookup(1, 131073) is None
+
+
+def test_plan_takes_the_table_capped_at_the_minimum_split_else_the_wave_model() -> None:
+    t = table()
+    att = make_attention("cpu", Hq=32, Hkv=8, max_tokens=131072)
+    assert att.split_table is None  # "packaged" on CPU: no GPU model to look up
+    with_table = Fp2DecodeAttention(
+        num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=32, max_fp2_tokens=131072,
+        split_table=t,
+    )  # fmt: skip
+    for B, L in ((1, 131072), (8, 131072), (8, 3000), (32, 65536), (3, 100000)):
+        assert with_table.plan(B, L) == Fp2DecodeAttention.split(L, t.lookup(B, L)), (B, L)
+    assert with_table.plan(1, 2048) == Fp2DecodeAttention.split(2048, 2)  # 4 capped at ceil(L / 1024)
+    for B, L in ((33, 4096), (8, 200000)):  # beyond the grid
+        assert with_table.plan(B, L) == att.wave_plan(B, L) == with_table.wave_plan(B, L)
+
+
+def test_workspace_covers_a_larger_count_below_the_bound() -> None:
+    """`most_splits` sizes the workspace: a table may split a shorter grid length more ways than the
+    bound itself (here 32 at 4k for one sequence, 2 at the 8k bound)."""
+    t = table({1: {4096: 32, 8192: 2}, 2: {4096: 1, 8192: 1}})
+    att = Fp2DecodeAttention(
+        num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=2, max_fp2_tokens=8192,
+        split_table=t,
+    )  # fmt: skip
+    assert att.plan(1, 8192)[0] == 2 and att.plan(1, 4096)[0] == 4  # 32 capped at 4096 / 1024
+    assert att.most_splits() == 4
+    brute = max(att.plan(b, n)[0] for b in (1, 2) for n in range(1, 8193, 97))
+    assert att.most_splits() >= brute
+
+
+def test_tables_refuse_a_ragged_grid_and_bad_counts() -> None:
+    with pytest.raises(ConfigError, match=r"batch 8 covers lengths \[4096\], the grid needs \[4096, 8192\]"):
+        table({1: {4096: 1, 8192: 2}, 8: {4096: 1}})
+    with pytest.raises(ConfigError, match=r"count below 1"):
+        table({1: {4096: 0}})
+    with pytest.raises(ConfigError, match=r"no batch sizes"):
+        table({})
+
+
+GOOD = {"kernel": "k", "num_kv_heads": 8, "page_size": 64, "measured": "m", "splits": {"1": {"4096": 2}}}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", r"f\.json: not JSON"),
+        ('{"device": "G"}', r"f\.json: needs a 'device' string and a 'tables' list"),
+        ('{"device": "G", "tables": [3]}', r"tables\[0\]: not an object"),
+        (json.dumps({"device": "G", "tables": [{"kernel": "k"}]}), r"tables\[0\]\.num_kv_heads: expected int, got None"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"num_kv_heads": True}]}), r"num_kv_heads: expected int, got True"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"1": {"4096": 2.5}}}]}),
+         r"tables\[0\]\.splits\['1'\]: counts must be integers"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"one": {"4096": 2}}}]}),
+         r"splits\['one'\]: batch sizes and lengths must be integers"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"splits": {}}]}),
+         r"tables\[0\]: split table 'G' / 'k' / 8 kv heads: no batch sizes"),
+    ],
+)  # fmt: skip
+def test_malformed_files_name_the_file_and_field(text: str, message: str) -> None:
+    assert parse_tables(json.dumps({"device": "G", "tables": [GOOD]}), "f.json")[0].counts == {1: {4096: 2}}
+    with pytest.raises(ConfigError, match=message):
+        parse_tables(text, "f.json")
+
+
+def test_merge_replaces_the_same_build_and_round_trips(tmp_path: Path) -> None:
+    a, b = table(kernel="a"), table(kernel="b", hkv=4)
+    path = merge_table(a, tmp_path)
+    merge_table(b, tmp_path)
+    assert path == device_file("Test GPU 80GB", tmp_path) and path.name == "Test_GPU_80GB.json"
+    a2 = table({1: {4096: 3}}, kernel="a")
+    merge_table(a2, tmp_path)
+    assert parse_tables(path.read_text(), str(path)) == [a2, b]
+    assert find_table("Test GPU 80GB", "b", 4, 64, tmp_path) == b
+    assert find_table("Test GPU 80GB", "b", 8, 64, tmp_path) is None
+    assert find_table("Other GPU", "b", 4, 64, tmp_path) is None
+
+
+def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:
+    files = sorted(TABLE_DIR.glob("*.json"))
+    assert files, "the H100's table ships with the package"
+    for path in files:
+        for t in parse_tables(path.read_text(), str(path)):
+            assert device_file(t.device) == path
+            for row in t.counts.values():
+                assert all(s <= math.ceil(n / Fp2DecodeAttention.MIN_SPLIT_TOKENS) for n, s in row.items()), path
+
+
+def _sweep_row(B: int, L: int, times: dict[int, float], **extra) -> dict:
+    row = {"device": "Test GPU 80GB", "split_key": "k", "Hkv": 8, "B": B, "L": L, **extra}
+    return row | {f"fp2_ms_4x4x1-int8keys-quad-s{s}": ms for s, ms in times.items()}
+
+
+def test_builder_takes_the_fewest_splits_within_the_margin(tmp_path: Path, capsys) -> None:
+    """benchmarks/split_table.py: the median of each count over the rounds, then the fewest splits
+    within --margin of the fastest; the wave model's count and time printed beside it."""
+    mod = load_script("split_table")
+    r1 = [
+        _sweep_row(1, 4096, {2: 2.00, 4: 1.00, 8: 1.005}, wave_splits=8, plan_source="wave",
+                   **{"fp2_ms_4x4x1-int8keys-quad": 1.2}),
+        _sweep_row(8, 4096, {1: 3.0, 2: 1.0, 3: 0.9}, wave_splits=3),
+    ]  # fmt: skip
+    r2 = [_sweep_row(1, 4096, {2: 2.0, 4: 1.10, 8: 1.2}), _sweep_row(8, 4096, {1: 3.0, 2: 1.0, 3: 0.95})]
+    best = mod.best_counts(r1 + r2, 0.01)
+    assert best[(1, 4096)][:2] == (4, 1.05)  # medians: 4 -> 1.05, 8 -> 1.1025
+    assert best[(8, 4096)][0] == 3
+    files = []
+    for i, rows in enumerate((r1, r2)):
+        files.append(tmp_path / f"r{i}.jsonl")
+        files[-1].write_text("# a comment line\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    args = ["x", *map(str, files), "--measured", "m", "--write", "--dir", str(tmp_path)]
+    parser = __import__("argparse").ArgumentParser()
+    mod.add_arguments(parser)
+    assert mod.run(parser.parse_args(args[1:])) == 0
+    out = capsys.readouterr().out
+    # B = 1: the wave model's count is the untagged plan's time where the plan was the wave model's;
+    # B = 8: its count (3) timed among the forced ones
+    assert "  1    4096     4  1050.0     8  1200.0     1.143x" in out
+    assert "  8    4096     3   925.0     3   925.0     1.000x" in out
+    t = find_table("Test GPU 80GB", "k", 8, 64, tmp_path)
+    assert t is not None and t.counts == {1: {4096: 4}, 8: {4096: 3}} and t.measured == "m"
+    # one GPU and build only; a full grid only
+    files[1].write_text(json.dumps(_sweep_row(8, 4096, {2: 1.0}, split_key="other")) + "\n")
+    assert mod.run(parser.parse_args(args[1:])) == 2
+    files[1].write_text(json.dumps(_sweep_row(8, 8192, {2: 1.0})) + "\n")
+    assert mod.run(parser.parse_args(args[1:])) == 2
+    assert "the grid must be full" in capsys.readouterr().err
