@@ -271,7 +271,7 @@ def test_gpu_plan_takes_the_packaged_split_table() -> None:
     workspace holds it, and a ragged batch planned by it (grid and off-grid sizes) matches the
     reference. Elsewhere (no table for this GPU) the wave model plans and this test skips."""
     from zerodram.kernels.attention import Fp2KernelConfig
-    from zerodram.runtime.attention.split_table import find_table
+    from zerodram.runtime.attention import find_table
 
     D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
     key = Fp2KernelConfig(D, G, key_s8=True, v_quad=True).split_key()

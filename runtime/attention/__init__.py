@@ -17,8 +17,9 @@ device. Inputs are validated at the boundary: dtypes, shapes, contiguity and dev
 a sync is harmless, not inside a CUDA-graph capture).
 
 The package's parts: `inputs` (Fp2Layer, DecodeBatch and their builders), `reference` (the
-plain-torch definition and the products around it), `decode` (Fp2DecodeAttention), `writer`
-(Fp2Writer). Import from here.
+plain-torch definition and the products around it), `decode` (Fp2DecodeAttention), `split_table`
+(the split counts measured per GPU model that its plan takes), `writer` (Fp2Writer). Import from
+here.
 """
 
 from zerodram.runtime.attention.decode import Fp2DecodeAttention
@@ -39,6 +40,7 @@ from zerodram.runtime.attention.reference import (
     prepare_query,
     reference_decode,
 )
+from zerodram.runtime.attention.split_table import SplitTable, find_table
 from zerodram.runtime.attention.writer import Fp2Writer
 
 __all__ = [
@@ -48,8 +50,10 @@ __all__ = [
     "Fp2DecodeAttention",
     "Fp2Layer",
     "Fp2Writer",
+    "SplitTable",
     "batch_from_cache",
     "dequantize_pages",
+    "find_table",
     "finish_output",
     "int8_key_levels",
     "layer_from_cache",
