@@ -94,8 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--splits",
         default="0",
         help="split counts to time each variant at, comma separated (0: the plan's, from the GPU's "
-        "split table where one covers the case; wave: the wave model's; a forced count beyond the "
-        "workspace the plan sizes is skipped)",
+        "split table where one covers the case; wave: the wave model's; the workspace holds "
+        "ceil(L / 1024) splits or the plan's most, a forced count beyond it is skipped)",
     )
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
@@ -149,7 +149,7 @@ def _case(
         att = Fp2DecodeAttention(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
             device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=None if key_s8 is None else bool(key_s8),
-            v_layout=v_layout,
+            v_layout=v_layout, workspace_splits=math.ceil(L / Fp2DecodeAttention.MIN_SPLIT_TOKENS),
         )  # fmt: skip
         name = f"{warps}x{stages}x{min_blocks}" + ("-int8keys" if att.key_s8 else "-fp16keys")  # what ran
         name += "-quad" if v_layout == "quad" else ""
@@ -171,6 +171,8 @@ def _case(
             if splits > att.max_splits:
                 print(f"# B={B} L={L}: {forced} splits exceed the workspace's {att.max_splits}, skipped", file=sys.stderr)
                 continue
+            if any(tag == t for _, _, t in timed):
+                continue  # two counts that split L the same way
             timed.append((forced, splits, tag))
         # The counts' repetitions interleaved and every check after them: a count timed right after
         # another's check (its reference dequantizes ~1 GB a sequence at 128k) ran up to 16% slower

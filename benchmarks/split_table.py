@@ -43,8 +43,8 @@ def best_counts(rows: list[dict], margin: float) -> dict[tuple[int, int], tuple[
     times: dict[tuple[int, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         for k, v in r.items():
-            if m := re.fullmatch(r"fp2_ms_.*-s(\d+)", k):
-                times[(r["B"], r["L"])][int(m.group(1))].append(v)
+            if m := re.fullmatch(r"fp2_ms_(.*)-s(\d+)", k):
+                times[(r["B"], r["L"])][int(m.group(2))].append(v)
     out = {}
     for case, by_count in times.items():
         med = {s: statistics.median(v) for s, v in by_count.items()}
@@ -68,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
             print("split-table: --kernel differs from the rows' own split_key", file=sys.stderr)
             return 2
         rows = [r | {"split_key": args.kernel} for r in rows]
+    if args.margin < 0:
+        print(f"split-table: --margin must be >= 0, got {args.margin}", file=sys.stderr)
+        return 2
+    variants = {m.group(1) for r in rows for k in r if (m := re.fullmatch(r"fp2_ms_(.*)-s\d+", k))}
+    if len(variants) != 1:
+        # a row records one split_key: a sweep over several --configs / --v-layouts mixes builds
+        print(f"split-table: the rows must time one kernel variant, got {sorted(variants)}", file=sys.stderr)
+        return 2
     builds = {(r.get("device"), r.get("split_key"), r.get("Hkv")) for r in rows}
     if len(builds) != 1 or None in next(iter(builds)):
         print(f"split-table: the rows must come from one GPU, kernel build and Hkv, got {sorted(map(str, builds))}",

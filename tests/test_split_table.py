@@ -3,6 +3,7 @@ files' parser and writer, the packaged tables, and the builder (benchmarks/split
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -29,14 +30,13 @@ def table(counts=GRID, kernel: str = "k", hkv: int = 8, device: str = "Test GPU 
     return SplitTable(device, kernel, hkv, 64, "a test", counts)
 
 
-def test_lookup_takes_the_grid_point_at_or_above_the_step() -> None:
-    """On the grid: its count. Between lengths: the next grid length's. Between batch sizes: the
-    next grid batch's split CTAs (count x B_grid / B, rounded). Beyond the grid: none."""
+def test_lookup_takes_the_batch_row_and_the_grid_length_at_or_above() -> None:
+    """A grid batch size: its row, at the next grid length. A batch size between the grid's (no
+    count keeps its neighbours' speed: docs/fp2-kernel.md, stop 48) or a length beyond: none."""
     t = table()
     assert t.lookup(8, 131072) == 4 and t.lookup(1, 4096) == 4
     assert t.lookup(8, 5000) == 4 and t.lookup(8, 4096) == 2 and t.lookup(8, 1) == 2
-    assert t.lookup(5, 131072) == round(4 * 8 / 5)  # 32 split CTAs -> 6 splits of 5 rows
-    assert t.lookup(24, 131072) == round(8 * 32 / 24)
+    assert t.lookup(5, 131072) is None and t.lookup(24, 4096) is None
     assert t.lookup(33, 4096) is None and t.lookup(1, 131073) is None
 
 
@@ -48,10 +48,10 @@ def test_plan_takes_the_table_capped_at_the_minimum_split_else_the_wave_model() 
         num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=32, max_fp2_tokens=131072,
         split_table=t,
     )  # fmt: skip
-    for B, L in ((1, 131072), (8, 131072), (8, 3000), (32, 65536), (3, 100000)):
+    for B, L in ((1, 131072), (8, 131072), (8, 3000), (32, 65536), (32, 100000)):
         assert with_table.plan(B, L) == Fp2DecodeAttention.split(L, t.lookup(B, L)), (B, L)
     assert with_table.plan(1, 2048) == Fp2DecodeAttention.split(2048, 2)  # 4 capped at ceil(L / 1024)
-    for B, L in ((33, 4096), (8, 200000)):  # beyond the grid
+    for B, L in ((33, 4096), (8, 200000), (3, 100000)):  # beyond the grid, or between its batch sizes
         assert with_table.plan(B, L) == att.wave_plan(B, L) == with_table.wave_plan(B, L)
 
 
@@ -67,6 +67,41 @@ def test_workspace_covers_a_larger_count_below_the_bound() -> None:
     assert att.most_splits() == 4
     brute = max(att.plan(b, n)[0] for b in (1, 2) for n in range(1, 8193, 97))
     assert att.most_splits() >= brute
+
+
+@pytest.mark.parametrize("slots", [132 * 3, 132 * 4])
+def test_workspace_covers_every_planned_length(slots: int) -> None:
+    """`split` rounds a count down, so the plan's count is not monotone in L (48 splits at B = 1,
+    L = 53,628 but 47 at 56,962 with 396 slots); the workspace is sized by the counts asked for,
+    which are. Dense over L for each bound, with the H100's packaged table and without."""
+    from zerodram.kernels.attention import Fp2KernelConfig
+
+    h100 = find_table("NVIDIA H100 80GB HBM3", Fp2KernelConfig(key_s8=True, v_quad=True).split_key(), 8, 64)
+    assert h100 is not None
+    for split_table in (None, h100):
+        for bound in (56962, 70000, 131072, 300000):
+            att = Fp2DecodeAttention(
+                num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=1, max_fp2_tokens=bound,
+                split_table=split_table,
+            )  # fmt: skip
+            att.cta_slots = slots
+            most = att.most_splits()
+            for b in (1,):
+                worst = max(att.plan(b, n)[0] for n in range(1, bound + 1, 53))
+                assert worst <= most, (split_table is not None, bound, worst, most)
+        # the premise of the sizing: the asked-for counts grow with L between the grid's lengths
+        # (and beyond them, where the wave model plans)
+        edges = [0, *(split_table.lengths if split_table else []), 300000]
+        for b in range(1, 41):
+            for lo, hi in itertools.pairwise(edges):
+                counts = [att.split_count(b, n) for n in range(lo + 1, hi + 1, 211)]
+                assert counts == sorted(counts), (split_table is not None, b, lo, hi)
+    old = Fp2DecodeAttention(
+        num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=1, max_fp2_tokens=56962,
+        split_table=None,
+    )  # fmt: skip
+    old.cta_slots = 132 * 3
+    assert old.plan(1, 53628)[0] == 48 > old.plan(1, 56962)[0]  # the case the old sizing missed
 
 
 def test_tables_refuse_a_ragged_grid_and_bad_counts() -> None:
@@ -92,9 +127,16 @@ GOOD = {"kernel": "k", "num_kv_heads": 8, "page_size": 64, "measured": "m", "spl
         (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"1": {"4096": 2.5}}}]}),
          r"tables\[0\]\.splits\['1'\]: counts must be integers"),
         (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"one": {"4096": 2}}}]}),
-         r"splits\['one'\]: batch sizes and lengths must be integers"),
+         r"splits\['one'\]: batch sizes and lengths must be distinct plain integers"),
         (json.dumps({"device": "G", "tables": [GOOD | {"splits": {}}]}),
          r"tables\[0\]: split table 'G' / 'k' / 8 kv heads: no batch sizes"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"page_size": -64}]}), r"must be positive, got page size -64"),
+        ('{"device": "G", "tables": [], "device": "H"}', r"f\.json: a key appears twice in one object: \['device'\]"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"1": {"4096": 2}, " 1": {"4096": 2}}}]}),
+         r"splits\[' 1'\]: batch sizes and lengths must be distinct plain integers"),
+        (json.dumps({"device": "G", "tables": [GOOD | {"splits": {"1": {"1_0": 2}}}]}),
+         r"splits\['1'\]: batch sizes and lengths must be distinct plain integers"),
+        (json.dumps({"device": "G", "tables": [GOOD, GOOD]}), r"two tables for one kernel build"),
     ],
 )  # fmt: skip
 def test_malformed_files_name_the_file_and_field(text: str, message: str) -> None:
@@ -165,3 +207,9 @@ def test_builder_takes_the_fewest_splits_within_the_margin(tmp_path: Path, capsy
     files[1].write_text(json.dumps(_sweep_row(8, 8192, {2: 1.0})) + "\n")
     assert mod.run(parser.parse_args(args[1:])) == 2
     assert "the grid must be full" in capsys.readouterr().err
+    # one kernel variant a sweep (a row records one split_key), and no negative margin
+    files[1].write_text(json.dumps(_sweep_row(8, 4096, {2: 1.0}) | {"fp2_ms_4x4x1-fp16keys-s2": 1.0}) + "\n")
+    assert mod.run(parser.parse_args(args[1:])) == 2
+    assert "one kernel variant" in capsys.readouterr().err
+    files[1].write_text(json.dumps(_sweep_row(8, 4096, {2: 1.0})) + "\n")
+    assert mod.run(parser.parse_args([*args[1:], "--margin", "-0.1"])) == 2

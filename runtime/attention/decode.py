@@ -47,6 +47,8 @@ class Fp2DecodeAttention:
         split_table: the measured split counts `plan` takes where they cover a step: "packaged"
             (the package's table for this GPU model and kernel build, if one exists; on CPU none),
             a `SplitTable`, or None (the wave model alone).
+        workspace_splits: at least this many split slots in the workspace (a benchmark forcing
+            counts beyond the plan's); default: the plan's most (`most_splits`).
 
     Raises:
         ConfigError: unsupported shape or format.
@@ -74,6 +76,7 @@ class Fp2DecodeAttention:
         timeline: bool = False,
         value_product: str = "exact",
         split_table: SplitTable | Literal["packaged"] | None = "packaged",
+        workspace_splits: int = 0,
     ) -> None:
         if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= 8:
             raise ConfigError(f"need 1..8 query heads per kv head, got {num_q_heads} / {num_kv_heads}")
@@ -132,7 +135,7 @@ class Fp2DecodeAttention:
             self.cta_slots = props.multi_processor_count * self.kernels.decode_ctas_per_sm()
             if split_table == "packaged":
                 self.split_table = find_table(props.name, cfg.split_key(), num_kv_heads, page_size)
-            self.max_splits = self.most_splits()
+            self.max_splits = max(self.most_splits(), workspace_splits)
             slots = self.max_splits + 1  # the FP2 splits, then the bf16 tokens' partial
             if cfg.merge_smem_bytes(slots) > cfg.decode_smem_bytes:
                 raise ConfigError(
@@ -157,25 +160,34 @@ class Fp2DecodeAttention:
 
     def most_splits(self) -> int:
         """The most splits `plan` takes for any batch up to max_batch and length up to
-        max_fp2_tokens (the workspace's size). A table's count at a grid length below the bound may
-        exceed its count at the bound, so those lengths are planned too (within a grid interval a
-        table count only grows with L)."""
+        max_fp2_tokens: the largest count it asks `split` for (split rounds a count down, and the
+        count it returns is not monotone in L: 48 at B = 1, L = 53,628 against 47 at 56,962 with
+        396 slots). The asked-for counts grow with L within a table's grid intervals and beyond
+        them (the wave model's; tests/test_split_table.py checks both densely), so the bound and the
+        grid lengths below it are the lengths to ask at."""
         grid = self.split_table.lengths if self.split_table else []
         lengths = {self.max_fp2_tokens, *(n for n in grid if n < self.max_fp2_tokens)}
-        return max(self.plan(b, n)[0] for b in range(1, self.max_batch + 1) for n in lengths)
+        return max(self.split_count(b, n) for b in range(1, self.max_batch + 1) for n in lengths)
 
     def plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
         """(num_splits, split_tokens) for a batch whose longest FP2 range is `max_len` (host only):
-        the split table's count where it covers the batch (at most ceil(L / MIN_SPLIT_TOKENS)),
-        else `wave_plan`'s."""
+        `split` of `split_count`."""
+        return self.split(max_len, self.split_count(batch_size, max_len))
+
+    def split_count(self, batch_size: int, max_len: int) -> int:
+        """The split count the plan asks for: the split table's where it covers the batch (at most
+        ceil(L / MIN_SPLIT_TOKENS)), else the wave model's (`wave_count`)."""
         count = self.split_table.lookup(batch_size, max_len) if self.split_table else None
         if count is None:
-            return self.wave_plan(batch_size, max_len)
-        return self.split(max_len, min(count, math.ceil(max(max_len, 1) / self.MIN_SPLIT_TOKENS)))
+            return self.wave_count(batch_size, max_len)
+        return min(count, math.ceil(max(max_len, 1) / self.MIN_SPLIT_TOKENS))
 
     def wave_plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
-        """(num_splits, split_tokens) from the wave model, for a batch whose longest FP2 range is
-        `max_len` (host only).
+        """(num_splits, split_tokens) of the wave model's count (host only)."""
+        return self.split(max_len, self.wave_count(batch_size, max_len))
+
+    def wave_count(self, batch_size: int, max_len: int) -> int:
+        """The wave model's split count for a batch whose longest FP2 range is `max_len`.
 
         The CTAs run in waves of `cta_slots` (SMs x resident CTAs per SM), and a wave that is only
         partly full costs as much as a full one. With N = B * Hkv CTA rows and s splits, a CTA costs
@@ -184,8 +196,8 @@ class Fp2DecodeAttention:
         splits; where the N of them do not fit beside the splits' last wave, some wait for a slot,
         counted as SPLIT_OVERHEAD_TOKENS more (a guess: at one wave they start as the first bf16
         CTAs finish, long before the splits do). Take the s that minimises that (the smaller on
-        ties), with at most ceil(L / MIN_SPLIT_TOKENS) splits; split_tokens is a multiple of the
-        32-token stage, so the last split holds the remainder (it may be short).
+        ties), with at most ceil(L / MIN_SPLIT_TOKENS) splits; `split` then makes split_tokens a
+        multiple of the 32-token stage, so the last split holds the remainder (it may be short).
         """
         slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
         rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
@@ -196,7 +208,7 @@ class Fp2DecodeAttention:
             late = rows * (s + 1) > waves * slots  # some bf16 CTAs wait for a slot
             return waves * (L / s + self.SPLIT_OVERHEAD_TOKENS) + late * self.SPLIT_OVERHEAD_TOKENS
 
-        return self.split(L, min(range(1, most + 1), key=cost))
+        return min(range(1, most + 1), key=cost)
 
     @staticmethod
     def split(max_len: int, splits: int) -> tuple[int, int]:

@@ -4,8 +4,8 @@ builds them from `benchmarks/attention.py` sweeps). `Fp2DecodeAttention.plan` ta
 count where one covers the step and the wave model elsewhere.
 
 Why a table: on an H100 no wave model fits both ends. At B <= 16 one or two split CTAs an SM were
-fastest, at B = 32 three; the wave model's counts (up to three an SM) cost 2-20% at B = 1-16
-(docs/fp2-kernel.md, "Split plan and merge", stop 48). The same kernel on the H200 wanted three
+fastest, at B = 32 three; the wave model's counts (up to three an SM) took 1.2-19.8% longer in 23
+of the 25 cases at B = 1-16 where they differ (docs/fp2-kernel.md, "Split plan and merge", stop 48). The same kernel on the H200 wanted three
 an SM already at B = 8 (stop 22), so the counts are measured per GPU model, as vLLM ships its fused
 MoE configs per device name.
 
@@ -16,10 +16,11 @@ Files: `split_tables/<device name, non-alphanumerics as _>.json`, package data:
                  "measured": "<date, machine, tree, command>",
                  "splits": {"<B>": {"<L>": count, ...}, ...}}]}
 
-The grid is a full rectangle: every B row holds the same L columns. A lookup takes the grid point
-at the smallest grid B >= the batch and the smallest grid L >= the length (the buckets a captured
-step uses are powers of two, so they land on grid points); between grid batch sizes the count
-keeps the grid point's split CTAs (count x B_grid / B, rounded). Beyond the grid: no count.
+The grid is a full rectangle: every B row holds the same L columns. A lookup takes the batch's own
+row and the smallest grid L >= the length (the buckets a captured step uses are powers of two, so
+they land on grid points). A batch size not on the grid, or a length beyond it, has no count: the
+wave model plans it. (Keeping a grid point's split CTAs for the batch sizes between, 3 splits at
+B = 12 from B = 16's 2, ran 16-19% slower than the wave model's 4 on the H100: stop 48.)
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class SplitTable:
         where = f"split table {self.device!r} / {self.kernel!r} / {self.num_kv_heads} kv heads"
         if not self.counts:
             raise ConfigError(f"{where}: no batch sizes")
+        if self.num_kv_heads < 1 or self.page_size < 1:
+            raise ConfigError(f"{where}: kv heads and page size must be positive, got page size {self.page_size}")
         lengths = sorted(next(iter(self.counts.values())))
         for b, row in self.counts.items():
             if b < 1 or sorted(row) != lengths or not lengths or min(lengths) < 1:
@@ -76,12 +79,11 @@ class SplitTable:
 
     def lookup(self, batch_size: int, max_len: int) -> int | None:
         """The measured count for a batch of `batch_size` whose longest FP2 range is `max_len`, or
-        None beyond the grid."""
-        b = next((g for g in self.batches if g >= batch_size), None)
+        None where the grid has no such batch size or no length that long."""
         length = next((g for g in self.lengths if g >= max_len), None)
-        if b is None or length is None:
+        if batch_size not in self.counts or length is None:
             return None
-        return max(1, round(self.counts[b][length] * b / batch_size))
+        return self.counts[batch_size][length]
 
     def to_json(self) -> dict:
         return {
@@ -94,9 +96,11 @@ class SplitTable:
 def parse_tables(text: str, source: str) -> list[SplitTable]:
     """Every table in one file's text. Raises ConfigError naming `source` and the field."""
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{source}: not JSON: {err}") from None
+    except ValueError as err:  # a repeated key
+        raise ConfigError(f"{source}: {err}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("device"), str) or not isinstance(doc.get("tables"), list):
         raise ConfigError(f"{source}: needs a 'device' string and a 'tables' list")
     out = []
@@ -113,16 +117,26 @@ def parse_tables(text: str, source: str) -> list[SplitTable]:
                 raise ConfigError(f"{at}.splits[{b!r}]: expected an object of length: count")
             if any(not isinstance(s, int) or isinstance(s, bool) for s in row.values()):
                 raise ConfigError(f"{at}.splits[{b!r}]: counts must be integers, got {row}")
-            try:
-                counts[int(b)] = {int(n): s for n, s in row.items()}
-            except ValueError:
-                raise ConfigError(f"{at}.splits[{b!r}]: batch sizes and lengths must be integers") from None
+            if not b.isdigit() or not all(n.isdigit() for n in row) or int(b) in counts:
+                raise ConfigError(f"{at}.splits[{b!r}]: batch sizes and lengths must be distinct plain integers")
+            counts[int(b)] = {int(n): s for n, s in row.items()}
+            if len(counts[int(b)]) != len(row):
+                raise ConfigError(f"{at}.splits[{b!r}]: a length appears twice")
         try:
             out.append(SplitTable(doc["device"], t["kernel"], t["num_kv_heads"], t["page_size"], t["measured"], counts))
         except ConfigError as err:
             raise ConfigError(f"{at}: {err}") from None
+    builds = [(t.kernel, t.num_kv_heads, t.page_size) for t in out]
+    if len(set(builds)) != len(builds):
+        raise ConfigError(f"{source}: two tables for one kernel build, kv heads and page size")
     return out
 
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key appears twice in one object: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    return dict(pairs)
 
 def find_table(
     device_name: str, kernel: str, num_kv_heads: int, page_size: int, table_dir: Path = TABLE_DIR
@@ -132,8 +146,13 @@ def find_table(
     path = device_file(device_name, table_dir)
     if not path.is_file():
         return None
-    for t in parse_tables(path.read_text(), str(path)):
-        if (t.kernel, t.num_kv_heads, t.page_size) == (kernel, num_kv_heads, page_size):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text: {err}") from None
+    # two device names may share a file name: a file of the other one's tables has none for this
+    for t in parse_tables(text, str(path)):
+        if (t.device, t.kernel, t.num_kv_heads, t.page_size) == (device_name, kernel, num_kv_heads, page_size):
             return t
     return None
 
