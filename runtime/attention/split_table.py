@@ -4,10 +4,10 @@ builds them from `benchmarks/attention.py` sweeps). `Fp2DecodeAttention.plan` ta
 count where one covers the step and the wave model elsewhere.
 
 Why a table: on an H100 no wave model fits both ends. At B <= 16 one or two split CTAs an SM were
-fastest, at B = 32 three; the wave model's counts (up to three an SM) took 1.2-19.8% longer in 23
-of the 25 cases at B = 1-16 where they differ (docs/fp2-kernel.md, "Split plan and merge", stop 48). The same kernel on the H200 wanted three
-an SM already at B = 8 (stop 22), so the counts are measured per GPU model, as vLLM ships its fused
-MoE configs per device name.
+fastest, at B = 32 three; timed side by side, the wave model's counts (up to three an SM) took
+0.3-18.5% longer at B = 1-16 wherever the two differ (docs/fp2-kernel.md, "Split plan and merge",
+stop 48). The same kernel on the H200 wanted three an SM already at B = 8 (stop 22), so the counts
+are measured per GPU model, as vLLM ships its fused MoE configs per device name.
 
 Files: `split_tables/<device name, non-alphanumerics as _>.json`, package data:
 
@@ -137,6 +137,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     if len(set(keys)) != len(keys):
         raise ValueError(f"a key appears twice in one object: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
     return dict(pairs)
+
 
 def find_table(
     device_name: str, kernel: str, num_kv_heads: int, page_size: int, table_dir: Path = TABLE_DIR
