@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from zerodram.runtime.errors import ConfigError
@@ -69,12 +70,9 @@ class SplitTable:
             if any(s < 1 for s in row.values()):
                 raise ConfigError(f"{where}: batch {b} has a count below 1: {row}")
 
-    @property
-    def batches(self) -> list[int]:
-        return sorted(self.counts)
-
-    @property
+    @cached_property
     def lengths(self) -> list[int]:
+        """The grid's lengths, ascending (read by every plan of an eager step)."""
         return sorted(next(iter(self.counts.values())))
 
     def lookup(self, batch_size: int, max_len: int) -> int | None:
