@@ -175,7 +175,7 @@ def _case(
                 continue  # two counts that split L the same way
             timed.append((forced, splits, tag))
         # The counts' repetitions interleaved and every check after them: a count timed right after
-        # another's check (its reference dequantizes ~1 GB a sequence at 128k) ran up to 16% slower
+        # another's check (its reference dequantizes ~1 GB a sequence at 128k) ran up to 17% slower
         # (docs/benchmarks.md, "What the first count timed had").
         times = medians_ms(
             [

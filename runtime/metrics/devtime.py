@@ -107,8 +107,8 @@ def medians_ms(
     at B = 32, L = 128k on an H100 (docs/benchmarks.md, "The deferred write over sixteen layers").
 
     The timed repetitions start after SETTLE_S of idle: right after heavy work the GPU runs slow
-    for a while. On an H100 the FP2 decode at B = 8, L = 128k ran 16% slower for ~8 ms after a 1-GB
-    reference check or a 3-GB fill, and 10-15% slower after two seconds of GEMMs, whose power cap
+    for a while. On an H100 the FP2 decode at B = 8, L = 128k ran 17% slower for ~8 ms after a 1-GB
+    reference check or a 3-GB fill, and 12% slower after two seconds of GEMMs, whose power cap
     held the SM clock at 1245-1440 MHz until ~200 ms later (docs/benchmarks.md, "What the first
     count timed had"); without the idle, whatever ran just before a call would set its time."""
     runs = []
