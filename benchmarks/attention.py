@@ -5,7 +5,8 @@
     zerodram bench attention ...
 
 Shape legend: B seqs, L context (FP2 tokens; plus 36 bf16 sink/tail tokens), Hq = 32 query heads,
-Hkv = 8 kv heads, D = 128, P = 64 page size.
+Hkv = 8 kv heads, D = 128 (`--shape HQxHKVxD`: another model's, e.g. to build its split table),
+P = 64 page size.
 
 Timing: each launch sequence is captured once in a CUDA graph (as the engine's decode step runs)
 and replayed; CUDA events around each replay, a 256 MB L2 flush (a read) before every repetition, warm-up,
@@ -53,7 +54,8 @@ from dataclasses import replace
 
 from zerodram.runtime.kv.format import DEFAULT_FP2
 
-HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
+SHAPE = (32, 8, 128)  # Hq, Hkv, D (--shape)
+P, HP = 64, 36
 CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
 
 
@@ -97,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "split table where one covers the case; wave: the wave model's; the workspace holds "
         "ceil(L / 1024) splits or the plan's most, a forced count beyond it is skipped)",
     )
+    p.add_argument(
+        "--shape", default="x".join(map(str, SHAPE)), metavar="HQxHKVxD",
+        help="query heads, kv heads and head dim (a split table is per shape: the served model's may differ)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
     p.add_argument("--no-defer", action="store_true", help="skip the decode with the engine's append deferred after it")
@@ -133,7 +139,7 @@ def _case(
     )
     from zerodram.runtime.metrics.devtime import median_ms, medians_ms
 
-    dev = "cuda"
+    dev, HQ, HKV, D = "cuda", *args.shape
     gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
     pages = B * math.ceil(L / P)
     layer = random_fp2_layer(pages, HKV, P, D, device=dev, generator=gen)
@@ -269,6 +275,7 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
 
     spec = parse_kv_spec(kv).spec  # checked by run()
     dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
+    HKV, D = layer.k_codes.shape[1], layer.k_codes.shape[3] * 16  # k_codes [NP, Hkv, P, D / 16]
     cfg, _ = decode_write_config(spec, D, v_quad=layer.v_layout == "quad")  # the cache's build (checked by run())
     write = Fp2DecodeWrite(cfg, (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev)
     hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]  # [B + 1, H, R, D]
@@ -364,7 +371,7 @@ def _deferred_write(row, B, L, q, best, layer, batch, forced, write, wargs, args
         print(f"# CHECK FAILED: B={B} L={L} deferred write: relative error {err:.2e} > {CHECK_TOL}", file=sys.stderr)
 
 
-def _write_kv_problem(kv: str) -> str | None:
+def _write_kv_problem(kv: str, D: int) -> str | None:
     """Why `--write-kv` cannot be the engine's append timed here (None: it can)."""
     from zerodram.runtime.errors import ConfigError
     from zerodram.runtime.kv.format import Fp2Spec, parse_kv_spec
@@ -399,7 +406,12 @@ def run(args: argparse.Namespace) -> int:
     if any(isinstance(x, int) and x < 0 for x in forced_splits):
         print(f"--splits takes counts >= 0 (0: the plan's) or 'wave', got {args.splits}", file=sys.stderr)
         return 2
-    why = _write_kv_problem(args.write_kv)
+    shape = [int(x) if x.isdigit() else 0 for x in args.shape.split("x")]
+    if len(shape) != 3 or min(shape) < 1:
+        print(f"--shape takes HQxHKVxD, three positive integers, got {args.shape!r}", file=sys.stderr)
+        return 2
+    args.shape = tuple(shape)  # (Hq, Hkv, D), what _case reads
+    why = _write_kv_problem(args.write_kv, args.shape[2])
     if why:
         print(f"--write-kv {args.write_kv!r}: {why}", file=sys.stderr)
         return 2

@@ -354,6 +354,8 @@ def test_bench_refuses_negative_split_counts_and_runs_only_on_a_gpu() -> None:
     for bad in ("0,4,-1", "0,waves"):
         out = run_bench(["attention", "--splits", bad])
         assert out.returncode == 2 and "--splits takes counts >= 0 (0: the plan's) or 'wave'" in out.stderr, out.stderr
+    out = run_bench(["attention", "--shape", "32x8"])
+    assert out.returncode == 2 and "--shape takes HQxHKVxD, three positive integers, got '32x8'" in out.stderr
     out = run_bench(["attention", "--write-kv", "fp2:tail=1,window=47"])
     assert out.returncode == 2 and "feedback on both sides" in out.stderr, out.stderr[-2000:]
     assert_refuses_without_gpu("attention")
