@@ -155,7 +155,7 @@ def _case(
         att = Fp2DecodeAttention(
             num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
             device=dev, num_warps=warps, stages=stages, min_blocks=min_blocks, key_s8=None if key_s8 is None else bool(key_s8),
-            v_layout=v_layout, workspace_splits=math.ceil(L / Fp2DecodeAttention.MIN_SPLIT_TOKENS),
+            v_layout=v_layout, workspace_splits=Fp2DecodeAttention.most_count(L),
         )  # fmt: skip
         name = f"{warps}x{stages}x{min_blocks}" + ("-int8keys" if att.key_s8 else "-fp16keys")  # what ran
         name += "-quad" if v_layout == "quad" else ""
@@ -166,9 +166,8 @@ def _case(
         row["plan_source"] = "table" if att.split_table and att.split_table.lookup(B, L) else "wave"
         timed = []  # (forced, splits, tag) of each count the workspace holds
         for forced in forced_splits:
-            if forced == "wave":
-                forced = row["wave_splits"]
-                splits, tag = forced, f"{name}-wave"
+            if forced == "wave":  # the count the wave model asks split for, so the split is the plan's own
+                forced, splits, tag = att.wave_count(B, L), row["wave_splits"], f"{name}-wave"
             elif forced is None:
                 splits, tag = row["plan_splits"], name
             else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -163,7 +162,7 @@ def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:
         for t in parse_tables(path.read_text(), str(path)):
             assert device_file(t.device) == path
             for row in t.counts.values():
-                assert all(s <= math.ceil(n / Fp2DecodeAttention.MIN_SPLIT_TOKENS) for n, s in row.items()), path
+                assert all(s <= Fp2DecodeAttention.most_count(n) for n, s in row.items()), path
 
 
 def _sweep_row(B: int, L: int, times: dict[int, float], **extra) -> dict:

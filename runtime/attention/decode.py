@@ -180,7 +180,12 @@ class Fp2DecodeAttention:
         count = self.split_table.lookup(batch_size, max_len) if self.split_table else None
         if count is None:
             return self.wave_count(batch_size, max_len)
-        return min(count, math.ceil(max(max_len, 1) / self.MIN_SPLIT_TOKENS))
+        return min(count, self.most_count(max_len))
+
+    @classmethod
+    def most_count(cls, max_len: int) -> int:
+        """The most splits any plan asks for at max_len: ceil(L / MIN_SPLIT_TOKENS)."""
+        return math.ceil(max(max_len, 1) / cls.MIN_SPLIT_TOKENS)
 
     def wave_plan(self, batch_size: int, max_len: int) -> tuple[int, int]:
         """(num_splits, split_tokens) of the wave model's count (host only)."""
@@ -201,7 +206,7 @@ class Fp2DecodeAttention:
         """
         slots = getattr(self, "cta_slots", self.CTA_SLOTS_CPU)
         rows, L = batch_size * self.num_kv_heads, max(max_len, 1)
-        most = max(1, math.ceil(L / self.MIN_SPLIT_TOKENS))
+        most = self.most_count(L)
 
         def cost(s: int) -> float:
             waves = math.ceil(rows * s / slots)
