@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "experts": ("benchmarks/experts.py", "routed SwiGLU experts at decode sizes: kernel vs grouped_mm vs loop"),
     "decode": ("benchmarks/decode.py", "one MoE layer's decode step: FP2 + fused vs BF16 + host, floors"),
     "issue-rates": ("benchmarks/issue_rates.py", "warp instructions per cycle of single instructions and pairs (a probe)"),
+    "settle": ("benchmarks/settle_probe.py", "how long a decode runs slow after heavy GPU work (a probe)"),
     "p-rounding": ("benchmarks/p_rounding.py", "decode-attention output error with P rounded to e4m3 or fp16 (a probe)"),
     "sass": ("benchmarks/sass_census.py", "the decode kernel's main loop in SASS: instructions per stage, no GPU needed"),
     "ab-report": ("benchmarks/ab_report.py", "the table of an ab.sh run: a metric's range over rounds, per case and variant"),

@@ -300,3 +300,12 @@ def test_medians_interleave_their_repetitions(monkeypatch: pytest.MonkeyPatch) -
     calls.clear()
     assert devtime.median_ms(work("c", 3), 5, flush, graph=False) == 3.0
     assert calls == ["c"] * 3 + [f"|{devtime.SETTLE_S}|"] + ["c"] * 7
+
+
+def test_settle_probe_refuses_bad_cases_and_runs_only_on_a_gpu() -> None:
+    """`zerodram bench settle` (benchmarks/settle_probe.py, the probe behind `SETTLE_S`)."""
+    from bench_cli import assert_refuses_without_gpu, run_bench
+
+    out = run_bench(["settle", "--cases", "8:131072"])
+    assert out.returncode == 2 and "--cases takes B:L:COUNTS" in out.stderr, out.stderr[-2000:]
+    assert_refuses_without_gpu("settle")
