@@ -6,7 +6,7 @@
 
 Shape legend: B seqs, L context (FP2 tokens; plus 36 bf16 sink/tail tokens), Hq = 32 query heads,
 Hkv = 8 kv heads, D = 128 (`--shape HQxHKVxD`: another model's, e.g. to build its split table),
-P = 64 page size.
+P = 64 page size (`--page-size`: the engine's is 32).
 
 Timing: each launch sequence is captured once in a CUDA graph (as the engine's decode step runs)
 and replayed; CUDA events around each replay, a 256 MB L2 flush (a read) before every repetition, warm-up,
@@ -55,7 +55,7 @@ from dataclasses import replace
 from zerodram.runtime.kv.format import DEFAULT_FP2
 
 SHAPE = (32, 8, 128)  # Hq, Hkv, D (--shape)
-P, HP = 64, 36
+P, HP = 64, 36  # page size (--page-size), bf16 sink/tail tokens
 CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
 
 
@@ -103,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape", default="x".join(map(str, SHAPE)), metavar="HQxHKVxD",
         help="query heads, kv heads and head dim (a split table is per shape: the served model's may differ)",
     )  # fmt: skip
+    p.add_argument(
+        "--page-size", type=int, default=P,
+        help="tokens per page (a split table is per page size: the engine's default is 32)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--no-fp16", action="store_true", help="skip the FP16 SDPA baseline")
     p.add_argument("--no-defer", action="store_true", help="skip the decode with the engine's append deferred after it")
@@ -139,7 +143,7 @@ def _case(
     )
     from zerodram.runtime.metrics.devtime import median_ms, medians_ms
 
-    dev, HQ, HKV, D = "cuda", *args.shape
+    dev, HQ, HKV, D, P = "cuda", *args.shape, args.page_size
     gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
     pages = B * math.ceil(L / P)
     layer = random_fp2_layer(pages, HKV, P, D, device=dev, generator=gen)
@@ -149,7 +153,7 @@ def _case(
     q = torch.randn(B, HQ, D, device=dev, generator=gen)
     fp2_bytes = B * HKV * L * 2 * (D // 4 + D // 64) + B * HKV * HP * D * 2 * 2 + q.numel() * 4
     fp16_bytes = B * HKV * (L + HP) * D * 2 * 2
-    row = {"B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": D, "fp2_bytes": fp2_bytes, "fp16_bytes": fp16_bytes}
+    row = {"B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": D, "P": P, "fp2_bytes": fp2_bytes, "fp16_bytes": fp16_bytes}
     variants = [(c, vl) for c in configs for vl in args.v_layouts.split(",")]
     for (warps, stages, min_blocks, key_s8), v_layout in variants:
         att = Fp2DecodeAttention(
@@ -274,7 +278,7 @@ def _engine_write(B: int, layer, batch, gen, kv: str):
 
     spec = parse_kv_spec(kv).spec  # checked by run()
     dev, sinks, window = layer.k_codes.device, spec.num_sinks, spec.window
-    HKV, D = layer.k_codes.shape[1], layer.k_codes.shape[3] * 16  # k_codes [NP, Hkv, P, D / 16]
+    HKV, P, D = layer.k_codes.shape[1], layer.k_codes.shape[2], layer.k_codes.shape[3] * 16  # k_codes [NP, Hkv, P, D / 16]
     cfg, _ = decode_write_config(spec, D, v_quad=layer.v_layout == "quad")  # the cache's build (checked by run())
     write = Fp2DecodeWrite(cfg, (spec.k.scale_rule, spec.v.scale_rule), MSE_FRACTIONS, dev)
     hp = [torch.randn(B + 1, HKV, sinks + window + 1, D, device=dev, generator=gen).bfloat16() for _ in range(2)]  # [B + 1, H, R, D]
@@ -410,6 +414,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"--shape takes HQxHKVxD, three positive integers, got {args.shape!r}", file=sys.stderr)
         return 2
     args.shape = tuple(shape)  # (Hq, Hkv, D), what _case reads
+    if args.page_size < 32 or args.page_size % 32:
+        print(f"--page-size takes a positive multiple of 32, got {args.page_size}", file=sys.stderr)
+        return 2
     why = _write_kv_problem(args.write_kv, args.shape[2])
     if why:
         print(f"--write-kv {args.write_kv!r}: {why}", file=sys.stderr)

@@ -23,7 +23,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-PAGE = 64  # benchmarks/attention.py's page size
+PAGE = 64  # the page size of rows that do not record one (benchmarks/attention.py's default)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
         # a row records one split_key: a sweep over several --configs / --v-layouts mixes builds
         print(f"split-table: the rows must time one kernel variant, got {sorted(variants)}", file=sys.stderr)
         return 2
-    builds = {(r.get("device"), r.get("split_key"), r.get("Hkv")) for r in rows}
+    # rows from before the page size was recorded timed pages of PAGE tokens
+    builds = {(r.get("device"), r.get("split_key"), r.get("Hkv"), r.get("P", PAGE)) for r in rows}
     if len(builds) != 1 or None in next(iter(builds)):
-        print(f"split-table: the rows must come from one GPU, kernel build and Hkv, got {sorted(map(str, builds))}",
-              file=sys.stderr)  # fmt: skip
+        print(f"split-table: the rows must come from one GPU, kernel build, Hkv and page size, got "
+              f"{sorted(map(str, builds))}", file=sys.stderr)  # fmt: skip
         return 2
-    device, key, hkv = next(iter(builds))
+    device, key, hkv, page = next(iter(builds))
     best = best_counts(rows, args.margin)
     batches, lengths = sorted({b for b, _ in best}), sorted({n for _, n in best})
     missing = [(b, n) for b in batches for n in lengths if (b, n) not in best]
@@ -96,14 +97,14 @@ def run(args: argparse.Namespace) -> int:
             plan_was_wave = r.get("plan_source", "wave") == "wave" and not re.search(r"-(s\d+|wave)$", k)
             if k.startswith("fp2_ms_") and (k.endswith("-wave") or plan_was_wave):
                 w[1].append(v)
-    print(f"# {device}, {key}, Hkv {hkv}: {len(rows)} rows")
+    print(f"# {device}, {key}, Hkv {hkv}, page {page}: {len(rows)} rows")
     print(f"{'B':>3} {'L':>7} {'count':>5} {'us':>7} {'wave':>5} {'us':>7} {'wave/table':>10}")
     for b, n in sorted(best):
         count, ms, med = best[(b, n)]
         w, wtimes = wave[(b, n)]
         wms = statistics.median(wtimes) if wtimes else med.get(w, float("nan"))
         print(f"{b:>3} {n:>7} {count:>5} {1e3 * ms:>7.1f} {w or '-':>5} {1e3 * wms:>7.1f} {wms / ms:>9.3f}x")
-    table = SplitTable(device, key, hkv, PAGE, args.measured, {b: {n: best[(b, n)][0] for n in lengths} for b in batches})
+    table = SplitTable(device, key, hkv, page, args.measured, {b: {n: best[(b, n)][0] for n in lengths} for b in batches})
     if args.write:
         print(f"written: {merge_table(table, Path(args.dir) if args.dir else TABLE_DIR)}")
     return 0

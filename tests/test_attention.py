@@ -349,13 +349,15 @@ def test_matches_kv_reference_decode_on_a_real_cache() -> None:
 
 
 def test_bench_refuses_negative_split_counts_and_runs_only_on_a_gpu() -> None:
-    """`zerodram bench attention`: a bad --splits or --write-kv is refused before anything else
+    """`zerodram bench attention`: a bad --splits, --shape, --page-size or --write-kv is refused before anything else
     (exit 2, named); without a GPU the benchmark says it needs one."""
     for bad in ("0,4,-1", "0,waves"):
         out = run_bench(["attention", "--splits", bad])
         assert out.returncode == 2 and "--splits takes counts >= 0 (0: the plan's) or 'wave'" in out.stderr, out.stderr
     out = run_bench(["attention", "--shape", "32x8"])
     assert out.returncode == 2 and "--shape takes HQxHKVxD, three positive integers, got '32x8'" in out.stderr
+    out = run_bench(["attention", "--page-size", "48"])
+    assert out.returncode == 2 and "--page-size takes a positive multiple of 32, got 48" in out.stderr
     out = run_bench(["attention", "--write-kv", "fp2:tail=1,window=47"])
     assert out.returncode == 2 and "feedback on both sides" in out.stderr, out.stderr[-2000:]
     assert_refuses_without_gpu("attention")

@@ -210,3 +210,19 @@ def test_builder_takes_the_fewest_splits_within_the_margin(tmp_path: Path, capsy
     assert "one kernel variant" in capsys.readouterr().err
     files[1].write_text(json.dumps(_sweep_row(8, 4096, {2: 1.0})) + "\n")
     assert mod.run(parser.parse_args([*args[1:], "--margin", "-0.1"])) == 2
+
+
+def test_builder_keys_the_table_on_the_rows_page_size(tmp_path: Path, capsys) -> None:
+    """The rows' page size (`P`, benchmarks/attention.py --page-size; 64 where a row has none) keys
+    the table, so the engine's pages of 32 find the one timed on them; rows of two sizes are refused."""
+    mod = load_script("split_table")
+    parser = __import__("argparse").ArgumentParser()
+    mod.add_arguments(parser)
+    rows = tmp_path / "r.jsonl"
+    rows.write_text("".join(json.dumps(_sweep_row(b, 4096, {1: 2.0, 2: 1.0}, P=32)) + "\n" for b in (1, 2)))
+    assert mod.run(parser.parse_args([str(rows), "--measured", "m", "--write", "--dir", str(tmp_path)])) == 0
+    assert find_table("Test GPU 80GB", "k", 8, 64, tmp_path) is None
+    assert find_table("Test GPU 80GB", "k", 8, 32, tmp_path).counts == {1: {4096: 2}, 2: {4096: 2}}
+    rows.write_text(json.dumps(_sweep_row(1, 4096, {2: 1.0}, P=32)) + "\n" + json.dumps(_sweep_row(2, 4096, {2: 1.0})) + "\n")
+    assert mod.run(parser.parse_args([str(rows), "--measured", "m"])) == 2
+    assert "page size" in capsys.readouterr().err
