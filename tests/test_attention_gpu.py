@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from attention_cases import kernel_side, kv_cache_case, make_attention, paged_case, rel_error
+from attention_cases import kernel_side, kv_cache_case, make_attention, paged_case, rel_error, table_build
 
 from zerodram.runtime.attention import (
     DecodeBatch,
@@ -265,37 +265,43 @@ def test_gpu_bf16_region_in_chunks_and_sequences_without_tokens(G: int) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_plan_takes_the_packaged_split_table() -> None:
-    """Where the package has a measured split table for this GPU and the benchmark's build (Hq 32,
-    Hkv 8, D 128, int8 keys, quad values), the module takes it: its plan is the table's count, the
+def test_gpu_plan_takes_the_packaged_split_tables() -> None:
+    """Every measured split table the package has for this GPU (the benchmark's shape, Hq 32 / Hkv 8
+    / D 128 on pages of 64; the packaged SmolLM2's, 9 / 3 / 64 on the engine's pages of 32): the
+    module built as the table's kernel key says takes it, its plan is the table's count, the
     workspace holds it, and a ragged batch planned by it (grid and off-grid sizes) matches the
-    reference. Elsewhere (no table for this GPU) the wave model plans and this test skips."""
-    from zerodram.kernels.attention import Fp2KernelConfig
-    from zerodram.runtime.attention import find_table
+    reference. Where the package has none for this GPU the wave model plans and this test skips."""
+    from zerodram.runtime.attention.split_table import device_file, parse_tables
 
-    D, G, Hkv, P, dev = 128, 4, 8, 64, "cuda"
-    key = Fp2KernelConfig(D, G, key_s8=True, v_quad=True).split_key()
-    table = find_table(torch.cuda.get_device_name(), key, Hkv, P)
-    if table is None:
-        pytest.skip(f"no split table for {torch.cuda.get_device_name()} and {key}")
-    att = Fp2DecodeAttention(
-        num_q_heads=G * Hkv, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=32, max_fp2_tokens=131072,
-        device=dev, key_s8=True, v_layout="quad",
-    )  # fmt: skip
-    assert att.split_table == table
-    for B, L in ((1, 131072), (8, 100000), (32, 4096)):
-        assert att.plan(B, L) == att.split(L, min(table.lookup(B, L), math.ceil(L / 1024))), (B, L)
-    for B, L in ((3, 20000), (24, 100000)):  # between the grid's batch sizes: the wave model
-        assert table.lookup(B, L) is None and att.plan(B, L) == att.wave_plan(B, L), (B, L)
-    assert att.max_splits >= max(att.plan(b, n)[0] for b in range(1, 33) for n in range(1, 131073, 997))
-    for lengths in ([20000, 7, 19999], [5000, 4096, 1, 300, 64]):
-        layer, batch, gdev = paged_case(lengths, [4] * len(lengths), 13, Hkv=Hkv, P=P, D=D, device=dev, v_layout="quad")
-        q = torch.randn(len(lengths), G * Hkv, D, device=dev, generator=gdev)
-        att.out.fill_(float("nan"))
-        out = att(q, layer, batch, max_len=max(lengths)).clone()
-        ref = reference_decode(q, layer, batch, att.softmax_scale, "e4m3")
-        for b, n in enumerate(lengths):
-            assert rel_error(out[b], ref[b]) < 3e-3, (lengths, n, att.plan(len(lengths), max(lengths)))
+    path = device_file(torch.cuda.get_device_name())
+    if not path.exists():
+        pytest.skip(f"no split tables for {torch.cuda.get_device_name()}")
+    for table in parse_tables(path.read_text(), str(path)):
+        build = table_build(table.kernel)
+        D, G, Hkv, P, dev = build["head_dim"], build["group"], table.num_kv_heads, table.page_size, "cuda"
+        top = max(table.lengths)
+        att = Fp2DecodeAttention(
+            num_q_heads=G * Hkv, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=32, max_fp2_tokens=top,
+            device=dev, k_block=build["k_block"], v_block=build["v_block"], scale_dtype=build["scale_dtype"],
+            num_warps=build["num_warps"], stages=build["stages"], min_blocks=build["min_blocks"],
+            key_s8=build["key_s8"], v_layout="quad" if build["v_quad"] else "token",
+        )  # fmt: skip
+        assert att.kernels.cfg.split_key() == table.kernel and att.split_table == table, table.kernel
+        grid_b = sorted(table.counts)
+        for B, L in ((1, top), (grid_b[-1], top * 3 // 4), (grid_b[-1], min(table.lengths))):
+            assert att.plan(B, L) == att.split(L, min(table.lookup(B, L), math.ceil(L / 1024))), (B, L)
+        off = [b for b in range(1, 33) if b not in table.counts][:2]
+        for B, L in zip(off, (top // 6, top * 3 // 4), strict=True):  # between the grid's batch sizes: the wave model
+            assert table.lookup(B, L) is None and att.plan(B, L) == att.wave_plan(B, L), (B, L)
+        assert att.max_splits >= max(att.plan(b, n)[0] for b in range(1, 33) for n in range(1, top + 1, 997))
+        for lengths in ([top // 6, 7, top // 6 - 1], [top // 25, top // 32, 1, 300, 64]):
+            layer, batch, gdev = paged_case(lengths, [4] * len(lengths), 13, Hkv=Hkv, P=P, D=D, device=dev, v_layout=att.v_layout)
+            q = torch.randn(len(lengths), G * Hkv, D, device=dev, generator=gdev)
+            att.out.fill_(float("nan"))
+            out = att(q, layer, batch, max_len=max(lengths)).clone()
+            ref = reference_decode(q, layer, batch, att.softmax_scale, att.scale_dtype)
+            for b, n in enumerate(lengths):
+                assert rel_error(out[b], ref[b]) < 3e-3, (table.kernel, lengths, n, att.plan(len(lengths), max(lengths)))
 
 
 @pytest.mark.gpu

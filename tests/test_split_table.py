@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from attention_cases import make_attention
+from attention_cases import make_attention, table_build
 from bench_cli import load_script
 
 from zerodram.runtime.attention import Fp2DecodeAttention
@@ -156,11 +156,15 @@ def test_merge_replaces_the_same_build_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:
+    from zerodram.kernels.attention import Fp2KernelConfig
+
     files = sorted(TABLE_DIR.glob("*.json"))
     assert files, "the H100's table ships with the package"
     for path in files:
         for t in parse_tables(path.read_text(), str(path)):
             assert device_file(t.device) == path
+            # the key names a build this code makes (a renamed or dropped option orphans a table)
+            assert Fp2KernelConfig(**table_build(t.kernel)).split_key() == t.kernel, (path, t.kernel)
             for row in t.counts.values():
                 assert all(s <= Fp2DecodeAttention.most_count(n) for n, s in row.items()), path
 
