@@ -52,6 +52,12 @@ def test_plan_takes_the_table_capped_at_the_minimum_split_else_the_wave_model() 
     assert with_table.plan(1, 2048) == Fp2DecodeAttention.split(2048, 2)  # 4 capped at ceil(L / 1024)
     for B, L in ((33, 4096), (8, 200000), (3, 100000)):  # beyond the grid, or between its batch sizes
         assert with_table.plan(B, L) == att.wave_plan(B, L) == with_table.wave_plan(B, L)
+    # what the engine logs once: the table and its reach, or the wave model and why
+    assert att.plan_source() == "split counts from the wave model (on the CPU)"
+    assert with_table.plan_source() == (
+        "split counts measured on Test GPU 80GB (a test) at batch sizes [1, 8, 32] up to 131072 tokens; "
+        "the wave model elsewhere"
+    )
 
 
 def test_workspace_covers_a_larger_count_below_the_bound() -> None:

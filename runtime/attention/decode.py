@@ -174,6 +174,18 @@ class Fp2DecodeAttention:
         `split` of `split_count`."""
         return self.split(max_len, self.split_count(batch_size, max_len))
 
+    def plan_source(self) -> str:
+        """What plans the splits, in words (the engine logs it once): the measured table and where
+        it applies, or the wave model and why."""
+        t = self.split_table
+        if t is None:
+            why = "no measured split table for this GPU and kernel build" if self.on_gpu else "on the CPU"
+            return f"split counts from the wave model ({why})"
+        return (
+            f"split counts measured on {t.device} ({t.measured.split(',')[0]}) at batch sizes "
+            f"{sorted(t.counts)} up to {max(t.lengths)} tokens; the wave model elsewhere"
+        )
+
     def split_count(self, batch_size: int, max_len: int) -> int:
         """The split count the plan asks for: the split table's where it covers the batch (at most
         ceil(L / MIN_SPLIT_TOKENS)), else the wave model's (`wave_count`)."""

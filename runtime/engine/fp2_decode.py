@@ -164,6 +164,8 @@ class Fp2FusedDecode:
             v_layout=c0.v.layout,
             value_product=value_product,
         )
+        if self.device.type == "cuda":
+            log.info("FP2 decode attention: %s", self.attn.plan_source())
         self._consts: list[_LayerConsts | None] = [None] * len(kv.caches)
         # Host mirror of the block tables, one row per cache slot: pages are appended, never moved,
         # so a step copies only the new ones. _mirror_of[slot] is the page list the row mirrors: the
