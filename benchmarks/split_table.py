@@ -1,10 +1,14 @@
 """Build a measured split table (runtime/attention/split_table.py) from split sweeps.
 
-    python benchmarks/attention.py --json --no-fp16 --no-defer --batches 1,2,4,8,16,32 \\
-        --lengths 4096,8192,16384,32768,65536,131072 --splits 0,wave,1,2,3,4,6,8,11,12,16,23,24,32,48 > r1.jsonl
-    (two or more such rounds, the --splits order reversed in every other)
+    zerodram bench split-table --sweep 4 --out DIR [--shape 9x3x64 --page-size 32] [--batches ...]
+        [--lengths ...] [--splits ...] [--write]
     python benchmarks/split_table.py r1.jsonl r2.jsonl ... --measured "2026-12-06, H100, tree abc1234" [--write]
-    zerodram bench split-table ...
+
+`--sweep N` times the rounds first, on this machine's GPU: N runs of `benchmarks/attention.py
+--json --no-fp16 --no-defer --reps 20` over the grid and counts given, each in a fresh process,
+the B, L and count orders reversed in every other, into DIR/round<i>.jsonl; then builds from them,
+with `--measured` composed (date, GPU, driver, tree, the command, DIR) unless given. Without it,
+the files named are earlier rounds of that command.
 
 Per (B, L) and forced count (`fp2_ms_*-s<count>`: the counts a sweep timed with their repetitions
 interleaved), the median over the rounds; the table takes the fastest count, or the fewest splits
@@ -22,14 +26,27 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 PAGE = 64  # the page size of rows that do not record one (benchmarks/attention.py's default)
 
 
+GRID_BATCHES = "1,2,4,8,16,32"
+GRID_LENGTHS = "4096,8192,16384,32768,65536,131072"  # the packaged model's: 1024,...,16384
+GRID_SPLITS = "0,wave,1,2,3,4,6,8,11,12,16,23,24,32,48"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rounds", nargs="+", help="JSON-line files of benchmarks/attention.py --json sweeps")
+    p.add_argument("rounds", nargs="*", help="JSON-line files of benchmarks/attention.py --json sweeps")
     p.add_argument("--margin", type=float, default=0.01, help="counts within this fraction of the fastest tie")
-    p.add_argument("--measured", required=True, help="date, machine, tree and command, kept in the table")
+    p.add_argument("--measured", default=None, help="date, machine, tree and command, kept in the table")
+    p.add_argument("--sweep", type=int, default=0, metavar="N", help="time N rounds on this GPU first (into --out)")
+    p.add_argument("--out", default=None, help="--sweep: the folder for the rounds' files")
+    p.add_argument("--shape", default=None, metavar="HQxHKVxD", help="--sweep: benchmarks/attention.py's --shape")
+    p.add_argument("--page-size", type=int, default=None, help="--sweep: benchmarks/attention.py's --page-size")
+    p.add_argument("--batches", default=GRID_BATCHES, help="--sweep: the grid's batch sizes")
+    p.add_argument("--lengths", default=GRID_LENGTHS, help="--sweep: the grid's FP2 lengths")
+    p.add_argument("--splits", default=GRID_SPLITS, help="--sweep: the counts timed (0: the plan's, wave)")
     p.add_argument("--write", action="store_true", help="merge the table into the package's tables (or --dir)")
     p.add_argument("--dir", default=None, help="the tables' folder (default: runtime/attention/split_tables/)")
     p.add_argument(
@@ -54,11 +71,72 @@ def best_counts(rows: list[dict], margin: float) -> dict[tuple[int, int], tuple[
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def sweep_commands(args: argparse.Namespace) -> list[list[str]]:
+    """The --sweep rounds' commands: the grid and counts ascending, then all reversed, in turn."""
+    script = str(Path(__file__).with_name("attention.py"))
+    base = [sys.executable, script, "--json", "--no-fp16", "--no-defer", "--reps", "20"]
+    if args.shape:
+        base += ["--shape", args.shape]
+    if args.page_size:
+        base += ["--page-size", str(args.page_size)]
+    cmds = []
+    for i in range(args.sweep):
+        order = (lambda x: x) if i % 2 == 0 else (lambda x: ",".join(reversed(x.split(","))))
+        cmds.append(
+            [*base, "--batches", order(args.batches), "--lengths", order(args.lengths), "--splits", order(args.splits)]
+        )
+    return cmds
 
+
+def _sweep(args: argparse.Namespace) -> tuple[int, str]:
+    """Time the --sweep rounds into --out; (exit status, the composed `measured` text)."""
+    import datetime
+    import shlex
+    import subprocess
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.rounds = []
+    for i, cmd in enumerate(sweep_commands(args), 1):
+        path = out / f"round{i}.jsonl"
+        print(f"# round {i} of {args.sweep}: {shlex.join(cmd[1:])} > {path}", flush=True)
+        with open(path, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, check=False).returncode
+        if rc:
+            print(f"split-table: round {i} failed (exit {rc}; {path}): no table built", file=sys.stderr)
+            return rc, ""
+        args.rounds.append(str(path))
+
+    def ask(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    driver = ask(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[:1]
+    tree = ask(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"])
+    command = shlex.join(["benchmarks/attention.py", *sweep_commands(args)[0][2:]])
+    measured = (
+        f"{datetime.date.today()}, {{device}} (driver {driver[0] if driver else 'unknown'}), tree {tree}: "
+        f"{args.sweep} rounds (the grid and counts reversed in every other) of {command}; raw {out}"
+    )
+    return 0, measured
+
+
+def run(args: argparse.Namespace) -> int:
     from zerodram.runtime.attention.split_table import TABLE_DIR, SplitTable, merge_table
 
+    composed = ""  # --sweep's own record, "{device}" filled from the rows (a given --measured wins)
+    if args.sweep:
+        if args.rounds or not args.out or args.sweep < 2:
+            print("split-table: --sweep N (N >= 2) takes --out and no round files", file=sys.stderr)
+            return 2
+        rc, composed = _sweep(args)
+        if rc:
+            return rc
+    elif not args.rounds or not args.measured:
+        print("split-table: give the rounds' files and --measured, or --sweep N --out DIR", file=sys.stderr)
+        return 2
     rows = []
     for path in args.rounds:
         with open(path) as f:
@@ -104,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         w, wtimes = wave[(b, n)]
         wms = statistics.median(wtimes) if wtimes else med.get(w, float("nan"))
         print(f"{b:>3} {n:>7} {count:>5} {1e3 * ms:>7.1f} {w or '-':>5} {1e3 * wms:>7.1f} {wms / ms:>9.3f}x")
-    table = SplitTable(device, key, hkv, page, args.measured, {b: {n: best[(b, n)][0] for n in lengths} for b in batches})
+    counts = {b: {n: best[(b, n)][0] for n in lengths} for b in batches}
+    table = SplitTable(device, key, hkv, page, args.measured or composed.replace("{device}", device), counts)
     if args.write:
         print(f"written: {merge_table(table, Path(args.dir) if args.dir else TABLE_DIR)}")
     return 0

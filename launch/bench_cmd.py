@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "dispatch": ("benchmarks/dispatch.py", "MoE dispatch/combine latency: NVSHMEM vs host-driven"),
     "attention": ("benchmarks/attention.py", "FP2 decode attention vs FP16 SDPA: ms, GB/s, speedup"),
-    "split-table": ("benchmarks/split_table.py", "a GPU's measured split counts from attention sweeps (--write: into the package)"),
+    "split-table": ("benchmarks/split_table.py", "a GPU's measured split counts from attention sweeps (--sweep N: time them first; --write: into the package)"),
     "attention-timeline": ("benchmarks/attention_timeline.py", "FP2 decode attention per CTA: start, loop, merge times"),
     "experts": ("benchmarks/experts.py", "routed SwiGLU experts at decode sizes: kernel vs grouped_mm vs loop"),
     "decode": ("benchmarks/decode.py", "one MoE layer's decode step: FP2 + fused vs BF16 + host, floors"),

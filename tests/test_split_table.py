@@ -236,3 +236,47 @@ def test_builder_keys_the_table_on_the_rows_page_size(tmp_path: Path, capsys) ->
     rows.write_text(json.dumps(_sweep_row(1, 4096, {2: 1.0}, P=32)) + "\n" + json.dumps(_sweep_row(2, 4096, {2: 1.0})) + "\n")
     assert mod.run(parser.parse_args([str(rows), "--measured", "m"])) == 2
     assert "page size" in capsys.readouterr().err
+
+
+def test_builder_sweeps_then_builds(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--sweep N --out DIR`: N rounds of benchmarks/attention.py, each a fresh process, the grid and
+    counts reversed in every other, into DIR; then the table, with its record composed. A failed
+    round (here the real script on a machine without a GPU) builds nothing."""
+    import subprocess
+
+    mod = load_script("split_table")
+    parser = __import__("argparse").ArgumentParser()
+    mod.add_arguments(parser)
+    args = ["--sweep", "2", "--out", str(tmp_path / "sweep"), "--shape", "9x3x64", "--page-size", "32",
+            "--batches", "1,2", "--lengths", "1024,2048", "--splits", "0,wave,1,2", "--write", "--dir", str(tmp_path)]  # fmt: skip
+    cmds = mod.sweep_commands(parser.parse_args(args))
+    assert [c[c.index("--batches") + 1 :] for c in cmds] == [
+        ["1,2", "--lengths", "1024,2048", "--splits", "0,wave,1,2"],
+        ["2,1", "--lengths", "2048,1024", "--splits", "2,1,wave,0"],
+    ]
+    assert cmds[0][2:9] == ["--json", "--no-fp16", "--no-defer", "--reps", "20", "--shape", "9x3x64"]
+    if not __import__("torch").cuda.is_available():  # the real benchmark refuses: no table
+        assert mod.run(parser.parse_args(args)) == 2
+        assert "round 1 failed (exit 2" in capsys.readouterr().err
+        assert find_table("Test GPU 80GB", "k", 8, 32, tmp_path) is None
+    real_run = subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if cmd[1].endswith("attention.py"):  # a round: rows as the benchmark prints them
+            kw["stdout"].write("".join(json.dumps(_sweep_row(b, n, {1: 2.0, 2: 1.0}, P=32)) + "\n" for b in (1, 2) for n in (1024, 2048)))
+            return subprocess.CompletedProcess(cmd, 0)
+        if cmd[0] == "nvidia-smi":
+            return subprocess.CompletedProcess(cmd, 0, stdout="580.159.04\n")
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert mod.run(parser.parse_args(args)) == 0
+    t = find_table("Test GPU 80GB", "k", 8, 32, tmp_path)
+    assert t is not None and t.counts == {1: {1024: 2, 2048: 2}, 2: {1024: 2, 2048: 2}}
+    assert t.measured.startswith(f"{__import__('datetime').date.today()}, Test GPU 80GB (driver 580.159.04), tree ")
+    assert "2 rounds" in t.measured and "--page-size 32" in t.measured and str(tmp_path / "sweep") in t.measured
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["round1.jsonl", "round2.jsonl"]
+    # --sweep takes --out and no files; without it, files and --measured
+    assert mod.run(parser.parse_args(["--sweep", "2"])) == 2
+    assert mod.run(parser.parse_args([str(tmp_path / "sweep" / "round1.jsonl")])) == 2
+    assert "--measured" in capsys.readouterr().err
