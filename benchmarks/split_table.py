@@ -13,9 +13,10 @@ the files named are earlier rounds of that command.
 Per (B, L) and forced count (`fp2_ms_*-s<count>`: the counts a sweep timed with their repetitions
 interleaved), the median over the rounds; the table takes the fastest count, or the fewest splits
 among those within `--margin` of it (fewer CTAs to merge where the timings cannot tell them apart).
-The rows must come from one GPU model and one kernel build (`device`, `split_key`, `Hkv`) and cover
-a full grid of B and L. Prints each grid point against the wave model's count (`wave_splits`,
-where the sweep timed `wave`); `--write` merges the table into the package's file for the GPU.
+The rows must come from one GPU model, kernel build, Hkv and page size (`device`, `split_key`, `Hkv`,
+`P`: 64 where a row has none) and cover a full grid of B and L. Prints each grid point against
+the wave model's count (`wave_splits`, where the sweep timed `wave`); `--write` merges the table
+into the package's file for the GPU.
 """
 
 from __future__ import annotations

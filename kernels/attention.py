@@ -10,6 +10,7 @@ compiled per `Fp2KernelConfig` and cached (kernels/jit.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -81,6 +82,28 @@ class Fp2KernelConfig:
         del d["TIMELINE"]
         opts = f"r{self.max_registers}u{self.register_usage}"
         return "-".join(f"{k.lower()}{v}" for k, v in d.items()) + "-" + opts
+
+    @classmethod
+    def from_split_key(cls, key: str) -> Fp2KernelConfig:
+        """The build a split table's key names (the inverse of `split_key`). Raises ValueError for a
+        key this code does not make (an option renamed, added or dropped since it was measured)."""
+        names = [k.lower() for k in cls().defines() if k != "TIMELINE"]  # split_key's order
+        *parts, opts = key.split("-")
+        values = [p[len(n) :] for n, p in zip(names, parts, strict=False) if p.startswith(n)]
+        m = re.fullmatch(r"r(\d+)u(\d+)", opts)
+        if len(parts) != len(names) or len(values) != len(names) or not all(map(str.isdigit, values)) or not m:
+            raise ValueError(f"split key {key!r} names no build of Fp2KernelConfig: it needs {names} and r<N>u<N>")
+        v = dict(zip(names, map(int, values), strict=True))
+        fmt = {i: k for k, i in SCALE_FMTS.items()}.get(v.pop("scale_fmt"))
+        if fmt is None:
+            raise ValueError(f"split key {key!r}: scale_fmt is none of {SCALE_FMTS}")
+        cfg = cls(
+            **v | {"key_s8": bool(v["key_s8"]), "v_quad": bool(v["v_quad"])}, scale_dtype=fmt,
+            max_registers=int(m.group(1)), register_usage=int(m.group(2)),
+        )  # fmt: skip
+        if cfg.split_key() != key:  # a flag written as 2, say
+            raise ValueError(f"split key {key!r} names no build of Fp2KernelConfig (read back: {cfg.split_key()!r})")
+        return cfg
 
     @property
     def write_warps_per_block(self) -> int:

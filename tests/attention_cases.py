@@ -8,7 +8,6 @@ Shape legend: Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, P page siz
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -104,17 +103,3 @@ def e4m3_product_bound(
         out[b] = bound.reshape(Hq, D)
     return out
 
-
-def table_build(kernel: str) -> dict:
-    """A split table's kernel key (`Fp2KernelConfig.split_key`) -> the Fp2KernelConfig fields that
-    key names (all but the register options, which are the class's defaults)."""
-    from zerodram.kernels.attention import SCALE_FMTS
-
-    names = ("head_dim", "group", "k_block", "v_block", "scale_fmt", "num_warps", "stages", "min_blocks", "key_s8", "v_quad")
-    found = {n: re.search(rf"(?:^|-){n}(\d+)(?:-|$)", kernel) for n in names}
-    missing = [n for n, m in found.items() if m is None]
-    assert not missing, f"split table key {kernel!r} lacks {missing}"
-    build = {n: int(m.group(1)) for n, m in found.items()}
-    build["scale_dtype"] = next(k for k, v in SCALE_FMTS.items() if v == build.pop("scale_fmt"))
-    build["key_s8"], build["v_quad"] = bool(build["key_s8"]), bool(build["v_quad"])
-    return build

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from attention_cases import kernel_side, kv_cache_case, make_attention, paged_case, rel_error, table_build
+from attention_cases import kernel_side, kv_cache_case, make_attention, paged_case, rel_error
 
 from zerodram.runtime.attention import (
     DecodeBatch,
@@ -271,20 +271,21 @@ def test_gpu_plan_takes_the_packaged_split_tables() -> None:
     module built as the table's kernel key says takes it, its plan is the table's count, the
     workspace holds it, and a ragged batch planned by it (grid and off-grid sizes) matches the
     reference. Where the package has none for this GPU the wave model plans and this test skips."""
+    from zerodram.kernels.attention import Fp2KernelConfig
     from zerodram.runtime.attention.split_table import device_file, parse_tables
 
     path = device_file(torch.cuda.get_device_name())
     if not path.exists():
         pytest.skip(f"no split tables for {torch.cuda.get_device_name()}")
     for table in parse_tables(path.read_text(), str(path)):
-        build = table_build(table.kernel)
-        D, G, Hkv, P, dev = build["head_dim"], build["group"], table.num_kv_heads, table.page_size, "cuda"
+        c = Fp2KernelConfig.from_split_key(table.kernel)
+        D, G, Hkv, P, dev = c.head_dim, c.group, table.num_kv_heads, table.page_size, "cuda"
+        blocks = {"k_block": c.k_block, "v_block": c.v_block, "scale_dtype": c.scale_dtype}
         top = max(table.lengths)
         att = Fp2DecodeAttention(
             num_q_heads=G * Hkv, num_kv_heads=Hkv, head_dim=D, page_size=P, max_batch=32, max_fp2_tokens=top,
-            device=dev, k_block=build["k_block"], v_block=build["v_block"], scale_dtype=build["scale_dtype"],
-            num_warps=build["num_warps"], stages=build["stages"], min_blocks=build["min_blocks"],
-            key_s8=build["key_s8"], v_layout="quad" if build["v_quad"] else "token",
+            device=dev, **blocks, num_warps=c.num_warps, stages=c.stages, min_blocks=c.min_blocks, key_s8=c.key_s8,
+            v_layout="quad" if c.v_quad else "token",
         )  # fmt: skip
         assert att.kernels.cfg.split_key() == table.kernel and att.split_table == table, table.kernel
         grid_b = sorted(table.counts)
@@ -295,7 +296,9 @@ def test_gpu_plan_takes_the_packaged_split_tables() -> None:
             assert table.lookup(B, L) is None and att.plan(B, L) == att.wave_plan(B, L), (B, L)
         assert att.max_splits >= max(att.plan(b, n)[0] for b in range(1, 33) for n in range(1, top + 1, 997))
         for lengths in ([top // 6, 7, top // 6 - 1], [top // 25, top // 32, 1, 300, 64]):
-            layer, batch, gdev = paged_case(lengths, [4] * len(lengths), 13, Hkv=Hkv, P=P, D=D, device=dev, v_layout=att.v_layout)
+            layer, batch, gdev = paged_case(
+                lengths, [4] * len(lengths), 13, Hkv=Hkv, P=P, D=D, device=dev, v_layout=att.v_layout, **blocks
+            )
             q = torch.randn(len(lengths), G * Hkv, D, device=dev, generator=gdev)
             att.out.fill_(float("nan"))
             out = att(q, layer, batch, max_len=max(lengths)).clone()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from attention_cases import make_attention, table_build
+from attention_cases import make_attention
 from bench_cli import load_script
 
 from zerodram.runtime.attention import Fp2DecodeAttention
@@ -78,27 +78,29 @@ def test_workspace_covers_a_larger_count_below_the_bound() -> None:
 def test_workspace_covers_every_planned_length(slots: int) -> None:
     """`split` rounds a count down, so the plan's count is not monotone in L (48 splits at B = 1,
     L = 53,628 but 47 at 56,962 with 396 slots); the workspace is sized by the counts asked for,
-    which are. Dense over L for each bound, with the H100's packaged table and without."""
+    which are. Dense over L for each bound, with every packaged table (in its shape) and without."""
     from zerodram.kernels.attention import Fp2KernelConfig
 
-    h100 = find_table("NVIDIA H100 80GB HBM3", Fp2KernelConfig(key_s8=True, v_quad=True).split_key(), 8, 64)
-    assert h100 is not None
-    for split_table in (None, h100):
+    tables = [t for path in sorted(TABLE_DIR.glob("*.json")) for t in parse_tables(path.read_text(), str(path))]
+    assert len(tables) >= 2  # the H100's: the benchmark's shape and the packaged model's
+    for split_table in (None, *tables):
+        cfg = Fp2KernelConfig.from_split_key(split_table.kernel) if split_table else Fp2KernelConfig()
+        hkv, page = (split_table.num_kv_heads, split_table.page_size) if split_table else (8, 64)
         for bound in (56962, 70000, 131072, 300000):
             att = Fp2DecodeAttention(
-                num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=1, max_fp2_tokens=bound,
-                split_table=split_table,
+                num_q_heads=hkv * cfg.group, num_kv_heads=hkv, head_dim=cfg.head_dim, page_size=page, max_batch=1,
+                max_fp2_tokens=bound, split_table=split_table,
             )  # fmt: skip
             att.cta_slots = slots
             worst = max(att.plan(1, n)[0] for n in range(1, bound + 1, 53))
-            assert worst <= att.most_splits(), (split_table is not None, bound, worst)
+            assert worst <= att.most_splits(), (split_table and split_table.kernel, bound, worst)
         # the premise of the sizing: the asked-for counts grow with L between the grid's lengths
         # (and beyond them, where the wave model plans)
         edges = [0, *(split_table.lengths if split_table else []), 300000]
         for b in range(1, 41):
             for lo, hi in itertools.pairwise(edges):
                 counts = [att.split_count(b, n) for n in range(lo + 1, hi + 1, 211)]
-                assert counts == sorted(counts), (split_table is not None, b, lo, hi)
+                assert counts == sorted(counts), (split_table and split_table.kernel, b, lo, hi)
     old = Fp2DecodeAttention(
         num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, max_batch=1, max_fp2_tokens=56962,
         split_table=None,
@@ -170,7 +172,7 @@ def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:
         for t in parse_tables(path.read_text(), str(path)):
             assert device_file(t.device) == path
             # the key names a build this code makes (a renamed or dropped option orphans a table)
-            assert Fp2KernelConfig(**table_build(t.kernel)).split_key() == t.kernel, (path, t.kernel)
+            assert Fp2KernelConfig.from_split_key(t.kernel).split_key() == t.kernel, (path, t.kernel)
             for row in t.counts.values():
                 assert all(s <= Fp2DecodeAttention.most_count(n) for n, s in row.items()), path
 
@@ -280,3 +282,17 @@ def test_builder_sweeps_then_builds(tmp_path: Path, monkeypatch, capsys) -> None
     assert mod.run(parser.parse_args(["--sweep", "2"])) == 2
     assert mod.run(parser.parse_args([str(tmp_path / "sweep" / "round1.jsonl")])) == 2
     assert "--measured" in capsys.readouterr().err
+
+
+def test_split_key_reads_back_and_refuses_what_no_build_makes() -> None:
+    from zerodram.kernels.attention import Fp2KernelConfig
+
+    for cfg in (Fp2KernelConfig(), Fp2KernelConfig(64, 3, 32, 16, "e8m0", 8, 2, 2, False, v_quad=True)):
+        assert Fp2KernelConfig.from_split_key(cfg.split_key()) == cfg
+    key = Fp2KernelConfig(key_s8=True, v_quad=True).split_key()
+    for bad in (
+        "head_dim64-r255u8", key.replace("stages4", "stage4"), key.replace("r255", "r2x5"),
+        key.replace("scale_fmt0", "scale_fmt7"), key.replace("key_s81", "key_s82"), key + "-x1", "junk",
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match="split key"):
+            Fp2KernelConfig.from_split_key(bad)

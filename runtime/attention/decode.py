@@ -179,7 +179,10 @@ class Fp2DecodeAttention:
         it applies, or the wave model and why."""
         t = self.split_table
         if t is None:
-            why = "no measured split table for this GPU and kernel build" if self.on_gpu else "on the CPU"
+            why = (
+                f"no measured split table for this GPU, kernel build, {self.num_kv_heads} kv heads and pages of "
+                f"{self.page_size}" if self.on_gpu else "on the CPU"
+            )
             return f"split counts from the wave model ({why})"
         return (
             f"split counts measured on {t.device} ({t.measured.split(',')[0]}) at batch sizes "
