@@ -41,28 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _reps_us(fns, flush) -> list[list[float]]:
     """Every repetition's time (us) of each of fns, captured as graphs, their repetitions
     interleaved, the L2 flushed before each; no idle before the first (the point of the probe)."""
-    import torch
+    from zerodram.runtime.metrics.devtime import rep_times_ms
 
-    graphs = []
-    for fn in fns:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs.append(g)
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(REPS + 2):
-        for g, ts in zip(graphs, times, strict=True):
-            flush.sum()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            ts.append(round(a.elapsed_time(b) * 1e3, 1))
-    return times
+    return [[round(t * 1e3, 1) for t in ts] for ts in rep_times_ms(fns, REPS, flush, settle_s=0.0)]
 
 
 def _case(B: int, L: int, counts: list[int], attention) -> None:

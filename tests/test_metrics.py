@@ -300,6 +300,10 @@ def test_medians_interleave_their_repetitions(monkeypatch: pytest.MonkeyPatch) -
     calls.clear()
     assert devtime.median_ms(work("c", 3), 5, flush, graph=False) == 3.0
     assert calls == ["c"] * 3 + [f"|{devtime.SETTLE_S}|"] + ["c"] * 7
+    # rep_times_ms, what both read: every repetition kept, and the settle probe's no idle
+    calls.clear()
+    assert devtime.rep_times_ms([work("d", 4)], 3, flush, graph=False, settle_s=0.0) == [[4.0, 4.0, 40.0, 4.0, 4.0]]
+    assert calls == ["d"] * 3 + ["|0.0|"] + ["d"] * 5
 
 
 def test_settle_probe_refuses_bad_cases_and_runs_only_on_a_gpu() -> None:

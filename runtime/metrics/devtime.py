@@ -111,6 +111,17 @@ def medians_ms(
     reference check or a 3-GB fill, and 12% slower after two seconds of GEMMs, whose power cap
     held the SM clock at 1245-1440 MHz until ~200 ms later (docs/benchmarks.md, "What the first
     count timed had"); without the idle, whatever ran just before a call would set its time."""
+    times = rep_times_ms(fns, reps, flush, graph=graph, capture_stream=capture_stream)
+    return [statistics.median(ts[2:]) for ts in times]
+
+
+def rep_times_ms(
+    fns: Sequence[Callable[[], object]], reps: int, flush: torch.Tensor, *, graph: bool = True,
+    capture_stream: torch.cuda.Stream | None = None, settle_s: float = SETTLE_S,
+) -> list[list[float]]:  # fmt: skip
+    """Every repetition's time (ms) of each of `fns` as `medians_ms` takes them: reps + 2, the first
+    two untimed warm-up (kept here), interleaved, the L2 flushed before each, after `settle_s` of
+    idle (0: none, what the settle probe measures)."""
     runs = []
     for fn in fns:
         for _ in range(3):
@@ -124,7 +135,7 @@ def medians_ms(
             run = g.replay
         runs.append(run)
     torch.cuda.synchronize()
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps + 2):
         for run, ts in zip(runs, times, strict=True):
@@ -135,7 +146,7 @@ def medians_ms(
             b.record()
             b.synchronize()
             ts.append(a.elapsed_time(b))
-    return [statistics.median(ts[2:]) for ts in times]
+    return times
 
 
 def device_activity(fn: Callable[[], object], reps: int) -> list[tuple[str, float, float]]:
