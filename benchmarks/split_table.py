@@ -30,10 +30,9 @@ from collections import defaultdict
 from pathlib import Path
 
 PAGE = 64  # the page size of rows that do not record one (benchmarks/attention.py's default)
-
-
+# --sweep's grid and counts by default: the benchmark's shape (the packaged model's lengths: 1024-16384)
 GRID_BATCHES = "1,2,4,8,16,32"
-GRID_LENGTHS = "4096,8192,16384,32768,65536,131072"  # the packaged model's: 1024,...,16384
+GRID_LENGTHS = "4096,8192,16384,32768,65536,131072"
 GRID_SPLITS = "0,wave,1,2,3,4,6,8,11,12,16,23,24,32,48"
 
 
