@@ -33,7 +33,7 @@ PAGE = 64  # the page size of rows that do not record one (benchmarks/attention.
 # --sweep's grid and counts by default: the benchmark's shape (the packaged model's lengths: 1024-16384)
 GRID_BATCHES = "1,2,4,8,16,32"
 GRID_LENGTHS = "4096,8192,16384,32768,65536,131072"
-GRID_SPLITS = "0,wave,1,2,3,4,6,8,11,12,16,23,24,32,48"
+GRID_SPLITS = "0,wave,1,2,3,4,6,8,11,12,16,23,24,32,33,48"  # 33: Hkv 8 x 33 = 264 CTAs, two on each of 132 SMs at B = 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
