@@ -153,7 +153,7 @@ class Fp2DecodeAttention:
             self.timeline = torch.zeros(ctas, TIMELINE_COLS, dtype=torch.int64, device=self.device) if timeline else None
 
     # wave_plan() on CPU (tests, workspace sizing): 132 SMs x 4 CTAs, a nominal figure; on a GPU the
-    # driver's occupancy decides (3 an SM for the current kernel on the H100 and the H200)
+    # driver's occupancy decides (3 an SM for the D = 128 build on the H100 and the H200, 4 for D = 64 on the H100)
     CTA_SLOTS_CPU = 132 * 4
     SPLIT_OVERHEAD_TOKENS = 256  # a CTA's fixed cost in token-times (an estimate, not measured)
     MIN_SPLIT_TOKENS = 1024  # sets the most splits: ~8 stages per warp, prologue and combine stay small
