@@ -1,7 +1,8 @@
-"""Measured split counts: for one GPU model and one decode-kernel build, the fastest number of FP2
-splits at each (batch size, FP2 length) of a grid, timed on that GPU (`benchmarks/split_table.py`
-builds them from `benchmarks/attention.py` sweeps). `Fp2DecodeAttention.plan` takes a table's
-count where one covers the step and the wave model elsewhere.
+"""Measured split counts: for one GPU model, one decode-kernel build, KV head count and page size,
+the fastest number of FP2 splits at each (batch size, FP2 length) of a grid, timed on that GPU
+(`benchmarks/split_table.py` builds them from `benchmarks/attention.py` sweeps).
+`Fp2DecodeAttention.plan` takes a table's count where one covers the step and the wave model
+elsewhere.
 
 Why a table: on an H100 no wave model fits both ends. At B <= 16 one or two split CTAs an SM were
 fastest, at B = 32 three; timed side by side, the wave model's counts (up to three an SM) took
@@ -61,7 +62,7 @@ class SplitTable:
             raise ConfigError(f"{where}: no batch sizes")
         if self.num_kv_heads < 1 or self.page_size < 1:
             raise ConfigError(f"{where}: kv heads and page size must be positive, got page size {self.page_size}")
-        lengths = sorted(next(iter(self.counts.values())))
+        lengths = self.lengths
         for b, row in self.counts.items():
             if b < 1 or sorted(row) != lengths or not lengths or min(lengths) < 1:
                 raise ConfigError(
