@@ -57,6 +57,7 @@ from zerodram.runtime.kv.format import DEFAULT_FP2
 SHAPE = (32, 8, 128)  # Hq, Hkv, D (--shape)
 P, HP = 64, 36  # page size (--page-size), bf16 sink/tail tokens
 CHECK_TOL = 3e-3  # relative error against reference_decode, as tests/test_attention_gpu.py demands
+DECODE_KERNEL, PROFILE_CALLS = "attn_fp2_decode", 5  # --profile: the kernel's name, calls profiled
 
 
 def check_rel_err(att, q, layer, batch, L: int, num_splits: int | None, out=None) -> float:
@@ -116,6 +117,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "decode-write kernel takes, with error feedback",
     )  # fmt: skip
     p.add_argument(
+        "--profile", action="store_true",
+        help="also the best count's decode kernel time by the torch profiler (fp2_profile_us: L2 flushed, "
+        "the device idle before each call), to set beside `engine_step.py --profile`",
+    )  # fmt: skip
+    p.add_argument(
         "--l2-pages", type=int, default=0,
         help="a diagnostic: every block table cycles over the first N pages and L2 is not flushed (0: off)",
     )  # fmt: skip
@@ -141,7 +147,7 @@ def _case(
         random_decode_batch,
         random_fp2_layer,
     )
-    from zerodram.runtime.metrics.devtime import median_ms, medians_ms
+    from zerodram.runtime.metrics.devtime import device_activity, median_ms, medians_ms
 
     dev, HQ, HKV, D, P = "cuda", *args.shape, args.page_size
     gen = torch.Generator(device=dev).manual_seed(B * 7 + L)
@@ -205,6 +211,13 @@ def _case(
                 best, best_layer, best_forced = att, vl_layer, forced
     if "fp2_ms" not in row:
         raise SystemExit(f"B={B} L={L}: every --splits count exceeds the workspace; nothing was timed")
+    if args.profile:
+        # The kernel's own device time, as engine_step.py --profile reads it inside a served step:
+        # the replay's launch and drain, which the event times above include, left out.
+        acts = device_activity(
+            lambda: (flush.sum(), best(q, best_layer, batch, max_len=L, num_splits=best_forced)), PROFILE_CALLS
+        )
+        row["fp2_profile_us"] = sum(us for name, us, _ in acts if name == DECODE_KERNEL)
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
     row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
     if args.l2_pages:
