@@ -118,8 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--profile", action="store_true",
-        help="also the best count's decode kernel time by the torch profiler (fp2_profile_us: L2 flushed, "
-        "the device idle before each call), to set beside `engine_step.py --profile`",
+        help="also the best count's decode kernel time by the torch profiler (fp2_profile_us: eager calls "
+        "one at a time, L2 flushed before each), to set beside `engine_step.py --profile`",
     )  # fmt: skip
     p.add_argument(
         "--l2-pages", type=int, default=0,
