@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,19 @@ def test_merge_replaces_the_same_build_and_round_trips(tmp_path: Path) -> None:
     assert find_table("Test GPU 80GB", "b", 4, 64, tmp_path) == b
     assert find_table("Test GPU 80GB", "b", 8, 64, tmp_path) is None
     assert find_table("Other GPU", "b", 4, 64, tmp_path) is None
+
+
+def test_merge_of_some_rows_keeps_the_others_and_both_records(tmp_path: Path) -> None:
+    full = table({1: {4096: 4, 8192: 8}, 2: {4096: 2, 8192: 4}}, kernel="a")
+    path = merge_table(full, tmp_path)
+    merge_table(replace(table({1: {4096: 4, 8192: 9}}, kernel="a"), measured="again"), tmp_path)
+    (got,) = parse_tables(path.read_text(), str(path))
+    assert got.counts == {1: {4096: 4, 8192: 9}, 2: {4096: 2, 8192: 4}}
+    assert got.measured == f"{full.measured}. Batch 1: again"
+    # other lengths, or every batch size again: the whole table is replaced
+    for new in (table({1: {4096: 5}}, kernel="a"), table({1: {4096: 4, 8192: 8}, 2: {4096: 3, 8192: 3}}, kernel="a")):
+        merge_table(new, tmp_path)
+        assert parse_tables(path.read_text(), str(path)) == [new]
 
 
 def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -159,10 +159,18 @@ def find_table(
 
 def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR) -> Path:
     """Write `table` into its device's file, replacing one of the same kernel, kv heads and page
-    size; the others stay. Returns the file's path."""
+    size; the others stay. A table of some of that one's batch sizes over the same lengths (a sweep
+    of those rows again, e.g. with a count added) replaces only its rows, and its record follows the
+    old one's. Returns the file's path."""
     path = device_file(table.device, table_dir)
     old = parse_tables(path.read_text(), str(path)) if path.is_file() else []
     same = (table.kernel, table.num_kv_heads, table.page_size)
+    prev = next((t for t in old if (t.kernel, t.num_kv_heads, t.page_size) == same), None)
+    if prev is not None and prev.lengths == table.lengths and set(table.counts) < set(prev.counts):
+        rows = ", ".join(map(str, sorted(table.counts)))
+        table = replace(
+            table, measured=f"{prev.measured}. Batch {rows}: {table.measured}", counts=prev.counts | table.counts
+        )
     keep = [t for t in old if (t.kernel, t.num_kv_heads, t.page_size) != same] + [table]
     keep.sort(key=lambda t: (t.kernel, t.num_kv_heads, t.page_size))
     path.parent.mkdir(parents=True, exist_ok=True)
