@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile", action="store_true",
         help="also the best count's decode kernel time by the torch profiler (fp2_profile_us: eager calls "
-        "one at a time, L2 flushed before each), to set beside `engine_step.py --profile`",
+        "one at a time, L2 flushed before each but under --l2-pages), to set beside `engine_step.py --profile`",
     )  # fmt: skip
     p.add_argument(
         "--l2-pages", type=int, default=0,
@@ -217,7 +217,10 @@ def _case(
         acts = device_activity(
             lambda: (flush.sum(), best(q, best_layer, batch, max_len=L, num_splits=best_forced)), PROFILE_CALLS
         )
-        row["fp2_profile_us"] = sum(us for name, us, _ in acts if name == DECODE_KERNEL)
+        found = [us for name, us, _ in acts if name == DECODE_KERNEL]
+        if not found:  # a renamed kernel: fail, rather than report 0
+            raise SystemExit(f"--profile: no {DECODE_KERNEL!r} among the profiled kernels {[n for n, _, _ in acts]}")
+        row["fp2_profile_us"] = sum(found)
     row["fp2_gbps"] = fp2_bytes / (row["fp2_ms"] * 1e-3) / 1e9
     row["fp2_frac_copy_bw"] = row["fp2_gbps"] * 1e9 / copy_bw
     if args.l2_pages:

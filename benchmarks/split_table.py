@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write", action="store_true", help="merge the table into the package's tables (or --dir)")
     p.add_argument("--dir", default=None, help="the tables' folder (default: runtime/attention/split_tables/)")
     p.add_argument(
+        "--replace", action="store_true",
+        help="--write: replace the build's whole table even where the new grid drops its batch sizes or lengths",
+    )  # fmt: skip
+    p.add_argument(
         "--kernel", default=None,
         help="the kernel build's split key, for rows that lack `split_key` (sweeps from before it was recorded)",
     )  # fmt: skip
@@ -125,6 +129,7 @@ def _sweep(args: argparse.Namespace) -> tuple[int, str]:
 
 def run(args: argparse.Namespace) -> int:
     from zerodram.runtime.attention.split_table import TABLE_DIR, SplitTable, merge_table
+    from zerodram.runtime.errors import ConfigError
 
     composed = ""  # --sweep's own record, "{device}" filled from the rows (a given --measured wins)
     if args.sweep:
@@ -185,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
     counts = {b: {n: best[(b, n)][0] for n in lengths} for b in batches}
     table = SplitTable(device, key, hkv, page, args.measured or composed.replace("{device}", device), counts)
     if args.write:
-        print(f"written: {merge_table(table, Path(args.dir) if args.dir else TABLE_DIR)}")
+        try:
+            print(f"written: {merge_table(table, Path(args.dir) if args.dir else TABLE_DIR, replace_all=args.replace)}")
+        except ConfigError as err:
+            print(f"split-table: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

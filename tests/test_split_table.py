@@ -157,7 +157,7 @@ def test_merge_replaces_the_same_build_and_round_trips(tmp_path: Path) -> None:
     merge_table(b, tmp_path)
     assert path == device_file("Test GPU 80GB", tmp_path) and path.name == "Test_GPU_80GB.json"
     a2 = table({1: {4096: 3}}, kernel="a")
-    merge_table(a2, tmp_path)
+    merge_table(a2, tmp_path, replace_all=True)  # a grid of fewer rows and lengths: asked for
     assert parse_tables(path.read_text(), str(path)) == [a2, b]
     assert find_table("Test GPU 80GB", "b", 4, 64, tmp_path) == b
     assert find_table("Test GPU 80GB", "b", 8, 64, tmp_path) is None
@@ -171,10 +171,18 @@ def test_merge_of_some_rows_keeps_the_others_and_both_records(tmp_path: Path) ->
     (got,) = parse_tables(path.read_text(), str(path))
     assert got.counts == {1: {4096: 4, 8192: 9}, 2: {4096: 2, 8192: 4}}
     assert got.measured == f"{full.measured}. Batch 1: again"
-    # other lengths, or every batch size again: the whole table is replaced
-    for new in (table({1: {4096: 5}}, kernel="a"), table({1: {4096: 4, 8192: 8}, 2: {4096: 3, 8192: 3}}, kernel="a")):
-        merge_table(new, tmp_path)
-        assert parse_tables(path.read_text(), str(path)) == [new]
+    # every batch size again: the whole table is replaced; one that drops measured rows or lengths
+    # is refused unless asked for
+    again = table({1: {4096: 4, 8192: 8}, 2: {4096: 3, 8192: 3}}, kernel="a")
+    merge_table(again, tmp_path)
+    assert parse_tables(path.read_text(), str(path)) == [again]
+    for fewer in (table({1: {4096: 5}}, kernel="a"), table({1: {4096: 4, 8192: 8}, 3: {4096: 3, 8192: 3}}, kernel="a")):
+        with pytest.raises(ConfigError, match=r"would drop the measured batch sizes \[\d*\] and lengths"):
+            merge_table(fewer, tmp_path)
+        assert parse_tables(path.read_text(), str(path)) == [again]
+        merge_table(fewer, tmp_path, replace_all=True)
+        assert parse_tables(path.read_text(), str(path)) == [fewer]
+        merge_table(again, tmp_path, replace_all=True)
 
 
 def test_packaged_tables_parse_and_stay_within_the_minimum_split() -> None:
@@ -249,6 +257,13 @@ def test_builder_keys_the_table_on_the_rows_page_size(tmp_path: Path, capsys) ->
     assert mod.run(parser.parse_args([str(rows), "--measured", "m", "--write", "--dir", str(tmp_path)])) == 0
     assert find_table("Test GPU 80GB", "k", 8, 64, tmp_path) is None
     assert find_table("Test GPU 80GB", "k", 8, 32, tmp_path).counts == {1: {4096: 2}, 2: {4096: 2}}
+    # a grid that drops a measured length is refused, unless --replace
+    rows.write_text(json.dumps(_sweep_row(1, 8192, {1: 1.0, 2: 2.0}, P=32)) + "\n")
+    again = [str(rows), "--measured", "m2", "--write", "--dir", str(tmp_path)]
+    assert mod.run(parser.parse_args(again)) == 2
+    assert "would drop the measured batch sizes [2] and lengths [4096]" in capsys.readouterr().err
+    assert mod.run(parser.parse_args([*again, "--replace"])) == 0
+    assert find_table("Test GPU 80GB", "k", 8, 32, tmp_path).counts == {1: {8192: 1}}
     rows.write_text(json.dumps(_sweep_row(1, 4096, {2: 1.0}, P=32)) + "\n" + json.dumps(_sweep_row(2, 4096, {2: 1.0})) + "\n")
     assert mod.run(parser.parse_args([str(rows), "--measured", "m"])) == 2
     assert "page size" in capsys.readouterr().err

@@ -157,11 +157,13 @@ def find_table(
     return None
 
 
-def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR) -> Path:
+def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR, *, replace_all: bool = False) -> Path:
     """Write `table` into its device's file, replacing one of the same kernel, kv heads and page
     size; the others stay. A table of some of that one's batch sizes over the same lengths (a sweep
-    of those rows again, e.g. with a count added) replaces only its rows, and its record follows the
-    old one's. Returns the file's path."""
+    of those rows again, e.g. with a count added) replaces only its rows, and its record is
+    appended to the old one's (records pile up, oldest first). A table that would drop batch sizes
+    or lengths the old one measured raises ConfigError unless `replace_all`. Returns the file's
+    path."""
     path = device_file(table.device, table_dir)
     old = parse_tables(path.read_text(), str(path)) if path.is_file() else []
     same = (table.kernel, table.num_kv_heads, table.page_size)
@@ -171,6 +173,13 @@ def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR) -> Path:
         table = replace(
             table, measured=f"{prev.measured}. Batch {rows}: {table.measured}", counts=prev.counts | table.counts
         )
+    elif prev is not None and not replace_all:
+        lost_b, lost_l = sorted(set(prev.counts) - set(table.counts)), sorted(set(prev.lengths) - set(table.lengths))
+        if lost_b or lost_l:
+            raise ConfigError(
+                f"{path}: this table would drop the measured batch sizes {lost_b} and lengths {lost_l} of "
+                f"{same}; sweep them too, or replace the whole table (replace_all, bench split-table --replace)"
+            )
     keep = [t for t in old if (t.kernel, t.num_kv_heads, t.page_size) != same] + [table]
     keep.sort(key=lambda t: (t.kernel, t.num_kv_heads, t.page_size))
     path.parent.mkdir(parents=True, exist_ok=True)
