@@ -180,7 +180,7 @@ def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR, *, replace_all: 
                 f"{path}: this table would drop the measured batch sizes {lost_b} and lengths {lost_l} of "
                 f"{same}; sweep them too, or replace the whole table (replace_all, bench split-table --replace)"
             )
-    keep = [t for t in old if (t.kernel, t.num_kv_heads, t.page_size) != same] + [table]
+    keep = [t for t in old if t is not prev] + [table]
     keep.sort(key=lambda t: (t.kernel, t.num_kv_heads, t.page_size))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(_dumps(table.device, [t.to_json() for t in keep]))
