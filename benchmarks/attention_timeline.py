@@ -12,6 +12,11 @@ between marks; for the bf16 CTAs their start and end. The stamps add a few instr
 none in the main loop. Shapes as benchmarks/attention.py: Hq 32, Hkv 8, D 128, page 64, 36 bf16
 tokens per sequence, int8 keys, quad values. docs/fp2-kernel.md, "Where it stands after the
 one-launch kernel", has what a run showed.
+
+By SM (`by_sm`, printed after the marks): how many split CTAs each SM held, and the split CTAs' loop
+times set against where they ran: beside a bf16 CTA or not, the spread inside one SM and across
+SMs, the rows' last splits (they hold the remainder), and split CTAs alone on their SM. `--raw`
+keeps every CTA's stamps; `--from-raw FILE` prints both summaries from such a file, without a GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="8192,131072")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
+    p.add_argument("--from-raw", metavar="PATH", help="summarize a --raw file's cases instead (no GPU needed)")
 
 
 def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[str, tuple[float, float, float]]:
@@ -87,6 +93,53 @@ def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[st
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
+def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dict[str, tuple[float, float, float]]]:
+    """Where the split CTAs' loops ran, over stamp rows in grid order (as `summarize` reads them):
+    ({split CTAs on an SM: SMs}, {figure: (min, median, max) us}). Loop times are "span: main
+    loop". The rows' last splits hold the remainder of the range, so the spreads leave them out."""
+    fp2_ctas = len(stamps) // (num_splits + 1) * num_splits
+    loop: dict[int, float] = {}
+    splits_on: dict[int, list[int]] = {}
+    bf16_sms = set()
+    for i, r in enumerate(stamps):
+        if i < fp2_ctas and r[6] == SPLIT_WITH_WORK:
+            loop[i] = (r[2] - r[1]) / 1e3
+            splits_on.setdefault(r[5], []).append(i)
+        elif i >= fp2_ctas and r[6] == BF16_CTA:
+            bf16_sms.add(r[5])
+
+    def stats(values: list[float]) -> tuple[float, float, float]:
+        v = sorted(values)
+        return (v[0], v[len(v) // 2], v[-1]) if v else (math.nan, math.nan, math.nan)
+
+    def last(i: int) -> bool:
+        return i % num_splits == num_splits - 1
+
+    full = {sm: [loop[i] for i in ids if not last(i)] for sm, ids in splits_on.items()}
+    held: dict[int, int] = {}
+    for ids in splits_on.values():
+        held[len(ids)] = held.get(len(ids), 0) + 1
+    return held, {
+        "loop, SM also ran a bf16 CTA": stats([t for sm, ids in splits_on.items() if sm in bf16_sms for t in (loop[i] for i in ids)]),
+        "loop, no bf16 CTA on its SM": stats([t for sm, ids in splits_on.items() if sm not in bf16_sms for t in (loop[i] for i in ids)]),
+        "loop, apart within an SM": stats([max(v) - min(v) for v in full.values() if len(v) > 1]),
+        "loop, mean of each SM": stats([sum(v) / len(v) for v in full.values() if v]),
+        "loop, rows' last splits": stats([t for i, t in loop.items() if last(i)]),
+        "loop, alone on its SM": stats([loop[ids[0]] for ids in splits_on.values() if len(ids) == 1]),
+    }
+
+
+def _print_case(title: str, stamps: list[list[int]], splits: int) -> dict[str, tuple[float, float, float]]:
+    marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
+    held, placed = by_sm(stamps, splits)
+    print(f"\n# {title}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
+    width = max(map(len, [*marks, *placed]))
+    for k, (lo, mid, hi) in [*marks.items(), *placed.items()]:
+        print(f"{k:>{width}} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
+    print(f"{'split CTAs an SM held':>{width}} " + ", ".join(f"{n}: {held[n]} SMs" for n in sorted(held)))
+    return marks | placed
+
+
 def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
     import torch
 
@@ -118,6 +171,12 @@ def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_raw:
+        with open(args.from_raw) as f:
+            for line in f:
+                c = json.loads(line)
+                _print_case(f"{args.from_raw}, B = {c['B']}, L = {c['L']}", c["stamps"], c["splits"])
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -128,14 +187,10 @@ def run(args: argparse.Namespace) -> int:
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
             stamps, splits = _case(B, L, flush)
-            marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
             if args.raw:
                 with open(args.raw, "a") as f:  # rows as summarize() reads them
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
-            print(f"\n# {name}, B = {B}, L = {L}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
-            width = max(map(len, marks))
-            for k, (lo, mid, hi) in marks.items():
-                print(f"{k:>{width}} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
+            marks = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
             if args.json:
                 print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks}))
     return 0

@@ -4,7 +4,9 @@ compiles in tests/test_attention.py; its stamps are read on the GPU machine)."""
 
 from __future__ import annotations
 
-from bench_cli import assert_refuses_without_gpu, load_script
+import json
+
+from bench_cli import assert_refuses_without_gpu, load_script, run_bench
 
 
 def test_summary_of_known_stamps() -> None:
@@ -49,6 +51,44 @@ def test_merge_apart_from_the_count() -> None:
     assert m["merge: early partials summed"] == (3.0, 3.0, 3.0)
     assert m["merge: the other partials, out"] == (1.0, 1.0, 1.0)  # 7 us in all
     assert not any(k.startswith("merge:") or "count only" in k for k in mod.summarize(stamps))
+
+
+def _placed_stamps() -> list[list[int]]:
+    """Two rows of three splits (the last split of each row holds the remainder) and their bf16
+    CTAs, in grid order; SM and loop time (us) chosen so that every by-SM figure is known:
+    SM 0: splits (0, 0) 20 and (1, 1) 24, and row 0's bf16 CTA; SM 1: splits (0, 1) 22 and (1, 0) 30;
+    SM 2: row 0's last split 10 alone; SM 3: row 1's last split 12, and row 1's bf16 CTA."""
+    us = 1000
+
+    def cta(kind: int, sm: int, loop: int) -> list[int]:
+        return [0, us, (1 + loop) * us, 0, 0, sm, kind, 0, 0, 0, 0, 0]
+
+    return [cta(1, 0, 20), cta(1, 1, 22), cta(1, 2, 10), cta(1, 1, 30), cta(1, 0, 24), cta(1, 3, 12),
+            cta(2, 0, 0), cta(2, 3, 0)]  # fmt: skip
+
+
+def test_by_sm_of_known_stamps() -> None:
+    mod = load_script("attention_timeline")
+    held, f = mod.by_sm(_placed_stamps(), num_splits=3)
+    assert held == {2: 2, 1: 2}
+    assert f["loop, SM also ran a bf16 CTA"] == (12.0, 20.0, 24.0)  # 20, 24, 12 (upper median)
+    assert f["loop, no bf16 CTA on its SM"] == (10.0, 22.0, 30.0)  # 22, 30, 10
+    assert f["loop, apart within an SM"] == (4.0, 8.0, 8.0)  # SM 0: 24 - 20, SM 1: 30 - 22
+    assert f["loop, mean of each SM"] == (22.0, 26.0, 26.0)  # the last splits left out
+    assert f["loop, rows' last splits"] == (10.0, 12.0, 12.0)
+    assert f["loop, alone on its SM"] == (10.0, 12.0, 12.0)
+
+
+def test_from_raw_needs_no_gpu(tmp_path) -> None:
+    """--from-raw prints both summaries of a --raw file's case, with or without a GPU."""
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"B": 2, "L": 4096, "splits": 3, "stamps": _placed_stamps()}) + "\n")
+    r = run_bench(["attention-timeline", "--from-raw", str(raw)])
+    assert r.returncode == 0, r.stderr
+    assert "B = 2, L = 4096: 3 splits per row, CTAs on 4 SMs" in r.stdout
+    assert "split CTAs an SM held 1: 2 SMs, 2: 2 SMs" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if "loop, apart within an SM" in x)
+    assert line.split()[-3:] == ["4.00", "8.00", "8.00"]
 
 
 def test_refuses_without_a_gpu() -> None:
