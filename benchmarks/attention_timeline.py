@@ -15,7 +15,8 @@ one-launch kernel", has what a run showed.
 
 By SM (`by_sm`, printed after the marks): how many split CTAs each SM held, and the split CTAs' loop
 times set against where they ran: beside a bf16 CTA or not, the spread inside one SM and across
-SMs, the rows' last splits (they hold the remainder), and split CTAs alone on their SM. `--raw`
+SMs, by how many split CTAs the SM held, the short splits (the rows' last, holding the remainder),
+and split CTAs alone on their SM (`by_sm_us` and `split_ctas_held` in the JSON line). `--raw`
 keeps every CTA's stamps; `--from-raw FILE` prints both summaries from such a file, without a GPU.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
@@ -95,8 +97,11 @@ def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[st
 
 def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dict[str, tuple[float, float, float]]]:
     """Where the split CTAs' loops ran, over stamp rows in grid order (as `summarize` reads them):
-    ({split CTAs on an SM: SMs}, {figure: (min, median, max) us}). Loop times are "span: main
-    loop". The rows' last splits hold the remainder of the range, so the spreads leave them out."""
+    ({split CTAs an SM held: SMs}, {figure: (min, median, max) us}). Loop times are "span: main
+    loop". Short splits (warp 0 with fewer stages than the most: the rows' last splits, holding the
+    remainder of the range) have a figure of their own and are left out of every other. Medians are
+    true medians (the mean of the middle two of an even count), not `summarize`'s upper ones: these
+    groups can be small."""
     fp2_ctas = len(stamps) // (num_splits + 1) * num_splits
     loop: dict[int, float] = {}
     splits_on: dict[int, list[int]] = {}
@@ -107,29 +112,33 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
             splits_on.setdefault(r[5], []).append(i)
         elif i >= fp2_ctas and r[6] == BF16_CTA:
             bf16_sms.add(r[5])
+    most = max((stamps[i][7] for i in loop), default=0)
+    short = {i for i in loop if stamps[i][7] < most}
 
     def stats(values: list[float]) -> tuple[float, float, float]:
         v = sorted(values)
-        return (v[0], v[len(v) // 2], v[-1]) if v else (math.nan, math.nan, math.nan)
+        return (v[0], statistics.median(v), v[-1]) if v else (math.nan, math.nan, math.nan)
 
-    def last(i: int) -> bool:
-        return i % num_splits == num_splits - 1
-
-    full = {sm: [loop[i] for i in ids if not last(i)] for sm, ids in splits_on.items()}
+    full = {sm: [loop[i] for i in ids if i not in short] for sm, ids in splits_on.items()}
     held: dict[int, int] = {}
     for ids in splits_on.values():
         held[len(ids)] = held.get(len(ids), 0) + 1
-    return held, {
-        "loop, SM also ran a bf16 CTA": stats([t for sm, ids in splits_on.items() if sm in bf16_sms for t in (loop[i] for i in ids)]),
-        "loop, no bf16 CTA on its SM": stats([t for sm, ids in splits_on.items() if sm not in bf16_sms for t in (loop[i] for i in ids)]),
+    figures = {
+        f"loop, on SMs holding {n} split CTAs": stats([t for sm, v in full.items() if len(splits_on[sm]) == n for t in v])
+        for n in sorted(held)
+    }
+    return held, figures | {
+        "loop, SM also ran a bf16 CTA": stats([t for sm, v in full.items() if sm in bf16_sms for t in v]),
+        "loop, no bf16 CTA on its SM": stats([t for sm, v in full.items() if sm not in bf16_sms for t in v]),
         "loop, apart within an SM": stats([max(v) - min(v) for v in full.values() if len(v) > 1]),
         "loop, mean of each SM": stats([sum(v) / len(v) for v in full.values() if v]),
-        "loop, rows' last splits": stats([t for i, t in loop.items() if last(i)]),
-        "loop, alone on its SM": stats([loop[ids[0]] for ids in splits_on.values() if len(ids) == 1]),
+        "loop, short splits": stats([loop[i] for i in short]),
+        "loop, alone on its SM": stats([t for sm, v in full.items() if len(splits_on[sm]) == 1 for t in v]),
     }
 
 
-def _print_case(title: str, stamps: list[list[int]], splits: int) -> dict[str, tuple[float, float, float]]:
+def _print_case(title: str, stamps: list[list[int]], splits: int) -> tuple[dict, dict, dict]:
+    """Print the marks and the by-SM figures of one case; (marks, by-SM figures, SMs by held)."""
     marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
     held, placed = by_sm(stamps, splits)
     print(f"\n# {title}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
@@ -137,7 +146,7 @@ def _print_case(title: str, stamps: list[list[int]], splits: int) -> dict[str, t
     for k, (lo, mid, hi) in [*marks.items(), *placed.items()]:
         print(f"{k:>{width}} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
     print(f"{'split CTAs an SM held':>{width}} " + ", ".join(f"{n}: {held[n]} SMs" for n in sorted(held)))
-    return marks | placed
+    return marks, placed, held
 
 
 def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
@@ -174,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_raw:
         with open(args.from_raw) as f:
             for line in f:
+                if not line.strip():
+                    continue
                 c = json.loads(line)
                 _print_case(f"{args.from_raw}, B = {c['B']}, L = {c['L']}", c["stamps"], c["splits"])
         return 0
@@ -190,9 +201,11 @@ def run(args: argparse.Namespace) -> int:
             if args.raw:
                 with open(args.raw, "a") as f:  # rows as summarize() reads them
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
-            marks = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
+            marks, placed, held = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
             if args.json:
-                print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks}))
+                print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks,
+                                  "by_sm_us": {k: None if math.isnan(v[1]) else v for k, v in placed.items()},
+                                  "split_ctas_held": held}))  # fmt: skip
     return 0
 
 

@@ -54,41 +54,45 @@ def test_merge_apart_from_the_count() -> None:
 
 
 def _placed_stamps() -> list[list[int]]:
-    """Two rows of three splits (the last split of each row holds the remainder) and their bf16
-    CTAs, in grid order; SM and loop time (us) chosen so that every by-SM figure is known:
-    SM 0: splits (0, 0) 20 and (1, 1) 24, and row 0's bf16 CTA; SM 1: splits (0, 1) 22 and (1, 0) 30;
-    SM 2: row 0's last split 10 alone; SM 3: row 1's last split 12, and row 1's bf16 CTA."""
+    """Three rows of three splits (each row's last split short: 4 stages against 8) and their bf16
+    CTAs, in grid order; SM and loop time (us) chosen so that every by-SM figure is known. Split
+    CTAs by SM: SM 0: 20, 24 (and row 0's bf16 CTA); SM 1: 22, 30; SM 2: the short 10 and 11;
+    SM 3: the short 12 and 26 (and row 1's bf16 CTA); SM 4: 40 alone. Row 2's bf16 CTA is on SM 5."""
     us = 1000
 
-    def cta(kind: int, sm: int, loop: int) -> list[int]:
-        return [0, us, (1 + loop) * us, 0, 0, sm, kind, 0, 0, 0, 0, 0]
+    def cta(kind: int, sm: int, loop: int, stages: int = 8) -> list[int]:
+        return [0, us, (1 + loop) * us, 0, 0, sm, kind, stages, 0, 0, 0, 0]
 
-    return [cta(1, 0, 20), cta(1, 1, 22), cta(1, 2, 10), cta(1, 1, 30), cta(1, 0, 24), cta(1, 3, 12),
-            cta(2, 0, 0), cta(2, 3, 0)]  # fmt: skip
+    return [cta(1, 0, 20), cta(1, 1, 22), cta(1, 2, 10, 4),  # row 0
+            cta(1, 1, 30), cta(1, 0, 24), cta(1, 3, 12, 4),  # row 1
+            cta(1, 4, 40), cta(1, 3, 26), cta(1, 2, 11, 4),  # row 2
+            cta(2, 0, 0), cta(2, 3, 0), cta(2, 5, 0)]  # fmt: skip
 
 
 def test_by_sm_of_known_stamps() -> None:
     mod = load_script("attention_timeline")
     held, f = mod.by_sm(_placed_stamps(), num_splits=3)
-    assert held == {2: 2, 1: 2}
-    assert f["loop, SM also ran a bf16 CTA"] == (12.0, 20.0, 24.0)  # 20, 24, 12 (upper median)
-    assert f["loop, no bf16 CTA on its SM"] == (10.0, 22.0, 30.0)  # 22, 30, 10
-    assert f["loop, apart within an SM"] == (4.0, 8.0, 8.0)  # SM 0: 24 - 20, SM 1: 30 - 22
-    assert f["loop, mean of each SM"] == (22.0, 26.0, 26.0)  # the last splits left out
-    assert f["loop, rows' last splits"] == (10.0, 12.0, 12.0)
-    assert f["loop, alone on its SM"] == (10.0, 12.0, 12.0)
+    assert held == {2: 4, 1: 1}
+    assert f["loop, on SMs holding 2 split CTAs"] == (20.0, 24.0, 30.0)  # 20, 24, 22, 30, 26: short ones out
+    assert f["loop, on SMs holding 1 split CTAs"] == (40.0, 40.0, 40.0)
+    assert f["loop, SM also ran a bf16 CTA"] == (20.0, 24.0, 26.0)  # SMs 0 and 3
+    assert f["loop, no bf16 CTA on its SM"] == (22.0, 30.0, 40.0)  # SMs 1, 2 (short only) and 4
+    assert f["loop, apart within an SM"] == (4.0, 6.0, 8.0)  # SM 0: 4, SM 1: 8; a true median
+    assert f["loop, mean of each SM"] == (22.0, 26.0, 40.0)  # 22, 26, 26, 40
+    assert f["loop, short splits"] == (10.0, 11.0, 12.0)
+    assert f["loop, alone on its SM"] == (40.0, 40.0, 40.0)
 
 
 def test_from_raw_needs_no_gpu(tmp_path) -> None:
     """--from-raw prints both summaries of a --raw file's case, with or without a GPU."""
     raw = tmp_path / "raw.jsonl"
-    raw.write_text(json.dumps({"B": 2, "L": 4096, "splits": 3, "stamps": _placed_stamps()}) + "\n")
+    raw.write_text(json.dumps({"B": 3, "L": 4096, "splits": 3, "stamps": _placed_stamps()}) + "\n\n")  # a blank line too
     r = run_bench(["attention-timeline", "--from-raw", str(raw)])
     assert r.returncode == 0, r.stderr
-    assert "B = 2, L = 4096: 3 splits per row, CTAs on 4 SMs" in r.stdout
-    assert "split CTAs an SM held 1: 2 SMs, 2: 2 SMs" in r.stdout
+    assert "B = 3, L = 4096: 3 splits per row, CTAs on 6 SMs" in r.stdout
+    assert "split CTAs an SM held 1: 1 SMs, 2: 4 SMs" in r.stdout
     line = next(x for x in r.stdout.splitlines() if "loop, apart within an SM" in x)
-    assert line.split()[-3:] == ["4.00", "8.00", "8.00"]
+    assert line.split()[-3:] == ["4.00", "6.00", "8.00"]
 
 
 def test_refuses_without_a_gpu() -> None:
