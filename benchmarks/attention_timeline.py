@@ -40,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-raw", metavar="PATH", help="summarize a --raw file's cases instead (no GPU needed)")
 
 
+def _spread(values: list[float], *, upper: bool) -> tuple[float, float, float]:
+    """(min, median, max) of `values`, NaNs when empty; `upper`: the upper of the middle two of an
+    even count (summarize's marks keep it), else their mean."""
+    v = sorted(values)
+    if not v:
+        return (math.nan, math.nan, math.nan)
+    return (v[0], v[len(v) // 2] if upper else statistics.median(v), v[-1])
+
+
 def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[str, tuple[float, float, float]]:
     """(min, median, max) in microseconds of each mark and span over the CTAs' stamp rows
     [start, first stage, loop end, partial, finish, SM, kind, stages of warp 0, count done, (m, l)
@@ -64,8 +73,7 @@ def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[st
             counted += [r for r in ctas if r is not last]
 
     def stats(values: list[float]) -> tuple[float, float, float]:
-        v = sorted(values)
-        return (v[0], v[len(v) // 2], v[-1]) if v else (math.nan, math.nan, math.nan)
+        return _spread(values, upper=True)
 
     rows = {
         "split start": [r[0] - t0 for r in splits],
@@ -116,8 +124,7 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
     short = {i for i in loop if stamps[i][7] < most}
 
     def stats(values: list[float]) -> tuple[float, float, float]:
-        v = sorted(values)
-        return (v[0], statistics.median(v), v[-1]) if v else (math.nan, math.nan, math.nan)
+        return _spread(values, upper=False)
 
     full = {sm: [loop[i] for i in ids if i not in short] for sm, ids in splits_on.items()}
     held: dict[int, int] = {}
