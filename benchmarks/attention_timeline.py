@@ -15,9 +15,9 @@ one-launch kernel", has what a run showed.
 
 By SM (`by_sm`, printed after the marks): how many split CTAs each SM held, and the split CTAs' loop
 times set against where they ran: beside a bf16 CTA or not, the spread inside one SM and across
-SMs, by how many split CTAs the SM held, the short splits (the rows' last, holding the remainder),
-and split CTAs alone on their SM (`by_sm_us` and `split_ctas_held` in the JSON line). `--raw`
-keeps every CTA's stamps; `--from-raw FILE` prints both summaries from such a file, without a GPU.
+SMs, by how many split CTAs the SM held (one: the split CTAs alone on their SM), and the short
+splits (the rows' last, holding the remainder); the JSON line has them as `by_sm_us` and
+`split_ctas_held`. `--raw` keeps every CTA's stamps; `--from-raw FILE` prints both summaries from such a file, without a GPU.
 """
 
 from __future__ import annotations
@@ -140,7 +140,6 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
         "loop, apart within an SM": stats([max(v) - min(v) for v in full.values() if len(v) > 1]),
         "loop, mean of each SM": stats([sum(v) / len(v) for v in full.values() if v]),
         "loop, short splits": stats([loop[i] for i in short]),
-        "loop, alone on its SM": stats([t for sm, v in full.items() if len(splits_on[sm]) == 1 for t in v]),
     }
 
 
