@@ -130,10 +130,11 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
     held: dict[int, int] = {}
     for ids in splits_on.values():
         held[len(ids)] = held.get(len(ids), 0) + 1
-    figures = {
-        f"loop, on SMs holding {n} split CTAs": stats([t for sm, v in full.items() if len(splits_on[sm]) == n for t in v])
-        for n in sorted(held)
-    }
+    figures = {}
+    for n in sorted(held):
+        on = [v for sm, v in full.items() if len(splits_on[sm]) == n]
+        figures[f"loop, on SMs holding {n} split CTAs"] = stats([t for v in on for t in v])
+        figures[f"loop, mean of each SM holding {n}"] = stats([sum(v) / len(v) for v in on if v])
     return held, figures | {
         "loop, SM also ran a bf16 CTA": stats([t for sm, v in full.items() if sm in bf16_sms for t in v]),
         "loop, no bf16 CTA on its SM": stats([t for sm, v in full.items() if sm not in bf16_sms for t in v]),

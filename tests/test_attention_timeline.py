@@ -79,6 +79,8 @@ def test_by_sm_of_known_stamps() -> None:
     assert f["loop, no bf16 CTA on its SM"] == (22.0, 30.0, 40.0)  # SMs 1, 2 (short only) and 4
     assert f["loop, apart within an SM"] == (4.0, 6.0, 8.0)  # SM 0: 4, SM 1: 8; a true median
     assert f["loop, mean of each SM"] == (22.0, 26.0, 40.0)  # 22, 26, 26, 40
+    assert f["loop, mean of each SM holding 2"] == (22.0, 26.0, 26.0)  # SM 2 holds only short splits
+    assert f["loop, mean of each SM holding 1"] == (40.0, 40.0, 40.0)
     assert f["loop, short splits"] == (10.0, 11.0, 12.0)
     assert "loop, alone on its SM" not in f  # the holding-1 figure above is that
 
