@@ -135,6 +135,16 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
         on = [v for sm, v in full.items() if len(splits_on[sm]) == n]
         figures[f"loop, on SMs holding {n} split CTAs"] = stats([t for v in on for t in v])
         figures[f"loop, mean of each SM holding {n}"] = stats([sum(v) / len(v) for v in on if v])
+    # By a CTA's place among its SM's split CTAs in grid order (the order the CTAs were dispatched
+    # in, so the age of their warps): the H200 ran its SMs' equal split CTAs in that order of speed
+    # (stop 52, docs/benchmarks.md).
+    ranked: dict[int, list[float]] = {}
+    for ids in splits_on.values():
+        for k, i in enumerate(ids):
+            if i not in short:
+                ranked.setdefault(k, []).append(loop[i])
+    for k in sorted(ranked):
+        figures[f"loop, split CTA {k + 1} of its SM in grid order"] = stats(ranked[k])
     return held, figures | {
         "loop, SM also ran a bf16 CTA": stats([t for sm, v in full.items() if sm in bf16_sms for t in v]),
         "loop, no bf16 CTA on its SM": stats([t for sm, v in full.items() if sm not in bf16_sms for t in v]),

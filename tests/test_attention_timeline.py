@@ -82,6 +82,8 @@ def test_by_sm_of_known_stamps() -> None:
     assert f["loop, mean of each SM holding 2"] == (22.0, 26.0, 26.0)  # SM 2 holds only short splits
     assert f["loop, mean of each SM holding 1"] == (40.0, 40.0, 40.0)
     assert f["loop, short splits"] == (10.0, 11.0, 12.0)
+    assert f["loop, split CTA 1 of its SM in grid order"] == (20.0, 22.0, 40.0)  # SMs 0, 1, 4 (2, 3: short)
+    assert f["loop, split CTA 2 of its SM in grid order"] == (24.0, 26.0, 30.0)  # SMs 0, 1, 3 (2: short)
     assert "loop, alone on its SM" not in f  # the holding-1 figure above is that
 
 
