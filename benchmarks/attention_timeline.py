@@ -103,10 +103,13 @@ def summarize(stamps: list[list[int]], num_splits: int | None = None) -> dict[st
     return {k: tuple(x / 1e3 for x in stats(v)) for k, v in rows.items()}
 
 
-def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dict[str, tuple[float, float, float]]]:
+def by_sm(
+    stamps: list[list[int]], num_splits: int
+) -> tuple[dict[int, int], dict[str, tuple[float, float, float]], tuple[int, int]]:
     """Where the split CTAs' loops ran, over stamp rows in grid order (as `summarize` reads them):
-    ({split CTAs an SM held: SMs}, {figure: (min, median, max) us}). Loop times are "span: main
-    loop". Short splits (warp 0 with fewer stages than the most: the rows' last splits, holding the
+    ({split CTAs an SM held: SMs}, {figure: (min, median, max) us}, (k, n)): of the n SMs holding two or
+    more split CTAs, none of them short, k had each CTA's loop no shorter than the one before it in
+    grid order. Loop times are "span: main loop". Short splits (warp 0 with fewer stages than the most: the rows' last splits, holding the
     remainder of the range) have a figure of their own and are left out of every other. Medians are
     true medians (the mean of the middle two of an even count), not `summarize`'s upper ones: these
     groups can be small."""
@@ -145,25 +148,29 @@ def by_sm(stamps: list[list[int]], num_splits: int) -> tuple[dict[int, int], dic
                 ranked.setdefault(k, []).append(loop[i])
     for k in sorted(ranked):
         figures[f"loop, split CTA {k + 1} of its SM in grid order"] = stats(ranked[k])
+    whole = [[loop[i] for i in ids] for ids in splits_on.values() if len(ids) > 1 and not short.intersection(ids)]
+    in_order = (sum(v == sorted(v) for v in whole), len(whole))
     return held, figures | {
         "loop, SM also ran a bf16 CTA": stats([t for sm, v in full.items() if sm in bf16_sms for t in v]),
         "loop, no bf16 CTA on its SM": stats([t for sm, v in full.items() if sm not in bf16_sms for t in v]),
         "loop, apart within an SM": stats([max(v) - min(v) for v in full.values() if len(v) > 1]),
         "loop, mean of each SM": stats([sum(v) / len(v) for v in full.values() if v]),
         "loop, short splits": stats([loop[i] for i in short]),
-    }
+    }, in_order
 
 
-def _print_case(title: str, stamps: list[list[int]], splits: int) -> tuple[dict, dict, dict]:
-    """Print the marks and the by-SM figures of one case; (marks, by-SM figures, SMs by held)."""
+def _print_case(title: str, stamps: list[list[int]], splits: int) -> tuple[dict, dict, dict, tuple[int, int]]:
+    """Print the marks and the by-SM figures of one case; (marks, by-SM figures, SMs by held, SMs
+    whose loops grew down the grid order)."""
     marks, sms = summarize(stamps, splits), len({r[5] for r in stamps})
-    held, placed = by_sm(stamps, splits)
+    held, placed, in_order = by_sm(stamps, splits)
     print(f"\n# {title}: {splits} splits per row, CTAs on {sms} SMs; us (min / median / max)")
     width = max(map(len, [*marks, *placed]))
     for k, (lo, mid, hi) in [*marks.items(), *placed.items()]:
         print(f"{k:>{width}} {lo:9.2f} {mid:9.2f} {hi:9.2f}")
-    print(f"{'split CTAs an SM held':>{width}} " + ", ".join(f"{n}: {held[n]} SMs" for n in sorted(held)))
-    return marks, placed, held
+    print(f"{'split CTAs an SM held':>{width}} " + ", ".join(f"{c}: {held[c]} SMs" for c in sorted(held)))
+    print(f"{'later in grid order, longer loop':>{width}} on {in_order[0]} of {in_order[1]} SMs holding two or more (none short)")
+    return marks, placed, held, in_order
 
 
 def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
@@ -218,11 +225,11 @@ def run(args: argparse.Namespace) -> int:
             if args.raw:
                 with open(args.raw, "a") as f:  # rows as summarize() reads them
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
-            marks, placed, held = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
+            marks, placed, held, in_order = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
             if args.json:
                 print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks,
                                   "by_sm_us": {k: None if math.isnan(v[1]) else v for k, v in placed.items()},
-                                  "split_ctas_held": held}))  # fmt: skip
+                                  "split_ctas_held": held, "sms_in_grid_order": in_order}))  # fmt: skip
     return 0
 
 

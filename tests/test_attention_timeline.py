@@ -71,8 +71,12 @@ def _placed_stamps() -> list[list[int]]:
 
 def test_by_sm_of_known_stamps() -> None:
     mod = load_script("attention_timeline")
-    held, f = mod.by_sm(_placed_stamps(), num_splits=3)
+    held, f, in_order = mod.by_sm(_placed_stamps(), num_splits=3)
     assert held == {2: 4, 1: 1}
+    assert in_order == (2, 2)  # SM 0: 20 then 24, SM 1: 22 then 30 (SMs 2 and 3 hold short splits)
+    swapped = _placed_stamps()
+    swapped[1][2], swapped[3][2] = swapped[3][2], swapped[1][2]  # SM 1: 30 then 22
+    assert mod.by_sm(swapped, num_splits=3)[2] == (1, 2)
     assert f["loop, on SMs holding 2 split CTAs"] == (20.0, 24.0, 30.0)  # 20, 24, 22, 30, 26: short ones out
     assert f["loop, on SMs holding 1 split CTAs"] == (40.0, 40.0, 40.0)  # alone: not a short split
     assert f["loop, SM also ran a bf16 CTA"] == (20.0, 24.0, 26.0)  # SMs 0 and 3
@@ -97,6 +101,7 @@ def test_from_raw_needs_no_gpu(tmp_path) -> None:
     assert "split CTAs an SM held 1: 1 SMs, 2: 4 SMs" in r.stdout
     line = next(x for x in r.stdout.splitlines() if "loop, apart within an SM" in x)
     assert line.split()[-3:] == ["4.00", "6.00", "8.00"]
+    assert "later in grid order, longer loop on 2 of 2 SMs" in r.stdout
 
 
 def test_refuses_without_a_gpu() -> None:
