@@ -107,12 +107,12 @@ def by_sm(
     stamps: list[list[int]], num_splits: int
 ) -> tuple[dict[int, int], dict[str, tuple[float, float, float]], tuple[int, int]]:
     """Where the split CTAs' loops ran, over stamp rows in grid order (as `summarize` reads them):
-    ({split CTAs an SM held: SMs}, {figure: (min, median, max) us}, (k, n)): of the n SMs holding two or
-    more split CTAs, none of them short, k had each CTA's loop no shorter than the one before it in
-    grid order. Loop times are "span: main loop". Short splits (warp 0 with fewer stages than the most: the rows' last splits, holding the
-    remainder of the range) have a figure of their own and are left out of every other. Medians are
-    true medians (the mean of the middle two of an even count), not `summarize`'s upper ones: these
-    groups can be small."""
+    ({split CTAs an SM held: SMs}, {figure: (min, median, max) us}, (k, n)): of the n SMs holding
+    two or more split CTAs, none of them short, k had each CTA's loop no shorter than the one
+    before it in grid order. Loop times are "span: main loop". Short splits (warp 0 with fewer
+    stages than the most: the rows' last splits, holding the remainder of the range) have a figure
+    of their own and are left out of every other. Medians are true medians (the mean of the middle
+    two of an even count), not `summarize`'s upper ones: these groups can be small."""
     fp2_ctas = len(stamps) // (num_splits + 1) * num_splits
     loop: dict[int, float] = {}
     splits_on: dict[int, list[int]] = {}
@@ -139,8 +139,8 @@ def by_sm(
         figures[f"loop, on SMs holding {n} split CTAs"] = stats([t for v in on for t in v])
         figures[f"loop, mean of each SM holding {n}"] = stats([sum(v) / len(v) for v in on if v])
     # By a CTA's place among its SM's split CTAs in grid order (the order the CTAs were dispatched
-    # in, so the age of their warps): the H200 ran its SMs' equal split CTAs in that order of speed
-    # (stop 52, docs/benchmarks.md).
+    # in, so the age of their warps): on both the H100 and the H200 an SM's equal split CTAs loop
+    # longer down that order (stop 52, docs/benchmarks.md).
     ranked: dict[int, list[float]] = {}
     for ids in splits_on.values():
         for k, i in enumerate(ids):
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks,
                                   "by_sm_us": {k: None if math.isnan(v[1]) else v for k, v in placed.items()},
-                                  "split_ctas_held": held, "sms_in_grid_order": in_order}))  # fmt: skip
+                                  "split_ctas_held": held, "sms_later_longer": in_order}))  # fmt: skip
     return 0
 
 
