@@ -148,7 +148,7 @@ def by_sm(
                 ranked.setdefault(k, []).append(loop[i])
     for k in sorted(ranked):
         figures[f"loop, split CTA {k + 1} of its SM in grid order"] = stats(ranked[k])
-    whole = [[loop[i] for i in ids] for ids in splits_on.values() if len(ids) > 1 and not short.intersection(ids)]
+    whole = [v for sm, v in full.items() if len(v) == len(splits_on[sm]) > 1]  # two or more, none short
     in_order = (sum(v == sorted(v) for v in whole), len(whole))
     return held, figures | {
         "loop, SM also ran a bf16 CTA": stats([t for sm, v in full.items() if sm in bf16_sms for t in v]),
