@@ -19,7 +19,7 @@ import torch
 
 from zerodram.kernels.jit import BuildOptions
 from zerodram.kernels.kv_write import PendingAppend
-from zerodram.kernels.module import launch, load_module, num_sms, ptr
+from zerodram.kernels.module import allow_shared_memory, launch, load_module, num_sms, ptr
 
 SCALE_FMTS = {"e4m3": 0, "e8m0": 1}
 TOKENS_PER_STAGE = 32  # attn_fp2_decode's pipeline stage; split boundaries are multiples of it
@@ -140,6 +140,16 @@ class Fp2KernelConfig:
         of them: the FP2 splits and the bf16 slot) its m, then weight, and its l; 1 / l per head."""
         return 4 * self.group * (2 * max_splits + 1)
 
+    def merge_all_early_bytes(self, num_partials: int) -> int:
+        """Shared memory in which the merge holds every one of a row's `num_partials` partial outputs
+        early: its weights, l and 1 / l, 16-byte aligned, then [num_partials, G, D] fp32
+        (attn_fp2_decode_merge.cuh's `early_at` and `n_early`)."""
+        g, d = self.group, self.head_dim
+        return 4 * (((2 * g * num_partials + g + 3) & ~3) + num_partials * g * d)
+
+
+SMALL_GRID_SMEM = 100 * 1024  # the most dynamic shared memory a decode launch of <= 2 CTAs an SM takes
+
 
 class Fp2Kernels:
     """The compiled kernels of one config, loaded on the current CUDA device."""
@@ -149,14 +159,24 @@ class Fp2Kernels:
         if cfg.decode_smem_bytes > 48 * 1024:
             raise ValueError(
                 f"decode needs {cfg.decode_smem_bytes} B of shared memory; keep num_warps * stages "
-                "within 48 KB (the launch path does not raise the dynamic limit)"
+                "within 48 KB (what every launch must get; only grids of <= 2 CTAs an SM get more)"
             )
 
     @cached_property
     def _decode(self):
-        return load_module("attn_fp2_decode", self.cfg.build_options("attn_fp2_decode")).kernel(
-            "attn_fp2_decode"
-        )
+        k = load_module("attn_fp2_decode", self.cfg.build_options("attn_fp2_decode")).kernel("attn_fp2_decode")
+        allow_shared_memory(k, SMALL_GRID_SMEM)
+        return k
+
+    @cached_property
+    def two_cta_smem(self) -> int:
+        """The most dynamic shared memory, up to SMALL_GRID_SMEM, that still keeps two decode CTAs on
+        an SM: what a grid of at most two CTAs an SM may give its merges (`decode`)."""
+        occ, threads = self._decode.occupancy, 32 * self.cfg.num_warps
+        for smem in range(SMALL_GRID_SMEM, self.cfg.decode_smem_bytes, -1024):
+            if occ.max_active_blocks_per_multiprocessor(threads, smem) >= 2:
+                return smem
+        return self.cfg.decode_smem_bytes
 
     @cached_property
     def _write(self):  # {search warps per block: kernel}: the short-grid build and the one-warp build
@@ -171,7 +191,7 @@ class Fp2Kernels:
 
     def load(self) -> None:
         """Compile and load every kernel now (not inside a CUDA-graph capture)."""
-        _ = self._decode, self._write, self._num_sms, self.decode_launch_smem
+        _ = self._decode, self._write, self._num_sms, self.decode_launch_smem, self.two_cta_smem
 
     def decode_ctas_per_sm(self) -> int:
         """How many decode CTAs one SM holds at once (registers and shared memory), from the driver."""
@@ -182,14 +202,14 @@ class Fp2Kernels:
 
     @cached_property
     def decode_launch_smem(self) -> int:
-        """Dynamic shared memory every decode launch gets: the most the launch path allows (48 KB less
-        the kernel's static shared memory, without raising the limit) that still keeps
-        `decode_ctas_per_sm()` CTAs on an SM. The kernel needs `decode_smem_bytes`; the merge copies as
+        """Dynamic shared memory every decode launch gets at least: the most within the default cap
+        (48 KB less the kernel's static shared memory) that still keeps `decode_ctas_per_sm()` CTAs
+        on an SM (grids of at most two CTAs an SM may get more: `two_cta_smem`). The kernel needs `decode_smem_bytes`; the merge copies as
         many partials as the rest holds into it beside its (m, l) round trip
         (attn_fp2_decode_merge.cuh), a round trip fewer per 16 partials past the ring's share at
         B = 1, where the merge is on the critical path (docs/fp2-kernel.md)."""
         occ, threads, need = self._decode.occupancy, 32 * self.cfg.num_warps, self.cfg.decode_smem_bytes
-        top = min(48 * 1024, self._decode.attributes.max_dynamic_shared_size_bytes)
+        top = 48 * 1024 - self._decode.attributes.shared_size_bytes  # `_decode` raised the cap past it
         ctas = self.decode_ctas_per_sm()
         for smem in range(top, need, -1024):  # the largest that keeps the occupancy
             if occ.max_active_blocks_per_multiprocessor(threads, smem) >= ctas:
@@ -226,6 +246,11 @@ class Fp2Kernels:
         if num_splits >= S or smem > 48 * 1024:
             raise ValueError(f"{num_splits} splits need {num_splits + 1} workspace slots and {smem} B of shared memory; have {S}, 48 KB")
         grid = (num_splits + 1) * Hkv * B
+        if grid <= 2 * self._num_sms:
+            # A grid of at most two CTAs an SM (B = 1 at long contexts) gives each merge room for all of
+            # its row's partials, so none waits for a round trip after the (m, l) one: about 1 us of
+            # 41 at B = 1, L = 128k, 32 splits on the H100 (docs/fp2-kernel.md, "Every partial early").
+            smem = max(smem, min(self.cfg.merge_all_early_bytes(num_splits + 1), self.two_cta_smem))
         if self.cfg.timeline and (timeline is None or timeline.shape[0] < grid):
             raise ValueError(f"a timeline build needs a [{grid}, {TIMELINE_COLS}] int64 timeline buffer")
         args = (

@@ -336,6 +336,22 @@ def test_plan_fills_whole_waves_and_respects_the_minimum_split() -> None:
     assert att.plan(8, 131072)[0] == 6  # 384 splits; the 64 bf16 CTAs wait, but 5 splits cost more
 
 
+def test_all_early_bytes_hold_every_partial_and_no_more() -> None:
+    """`merge_all_early_bytes(n)` against the merge's own count of early partials (the kernel's
+    `n_early`, written out here): exactly n partials fit, one float less holds n - 1."""
+
+    def n_early(cfg: Fp2KernelConfig, smem: int, n: int) -> int:  # attn_fp2_decode_merge.cuh
+        g, d = cfg.group, cfg.head_dim
+        early_at = (2 * g * n + g + 3) & ~3
+        return max(0, min(n, (smem // 4 - early_at) // (g * d)))
+
+    for cfg in CONFIGS:
+        for n in (1, 2, 17, 33, 49):
+            need = cfg.merge_all_early_bytes(n)
+            assert need % 16 == 0 and need >= cfg.merge_smem_bytes(n), (cfg, n)
+            assert n_early(cfg, need, n) == n and n_early(cfg, need - 4, n) == n - 1, (cfg, n)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
