@@ -204,10 +204,10 @@ class Fp2Kernels:
     def decode_launch_smem(self) -> int:
         """Dynamic shared memory every decode launch gets at least: the most within the default cap
         (48 KB less the kernel's static shared memory) that still keeps `decode_ctas_per_sm()` CTAs
-        on an SM (grids of at most two CTAs an SM may get more: `two_cta_smem`). The kernel needs `decode_smem_bytes`; the merge copies as
-        many partials as the rest holds into it beside its (m, l) round trip
-        (attn_fp2_decode_merge.cuh), a round trip fewer per 16 partials past the ring's share at
-        B = 1, where the merge is on the critical path (docs/fp2-kernel.md)."""
+        on an SM; grids of at most two CTAs an SM may get more (`two_cta_smem`). The kernel needs
+        `decode_smem_bytes`; the merge copies as many partials as the rest holds into it beside its
+        (m, l) round trip (attn_fp2_decode_merge.cuh), a round trip fewer per 16 partials past the
+        ring's share at B = 1, where the merge is on the critical path (docs/fp2-kernel.md)."""
         occ, threads, need = self._decode.occupancy, 32 * self.cfg.num_warps, self.cfg.decode_smem_bytes
         top = 48 * 1024 - self._decode.attributes.shared_size_bytes  # `_decode` raised the cap past it
         ctas = self.decode_ctas_per_sm()

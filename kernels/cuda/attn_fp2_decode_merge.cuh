@@ -179,8 +179,9 @@ ZD_DEVICE void finish_row(int* row_done, int n_run, bool overflow, int num_split
   float* ls = wts + GROUP * n;     // [G, n] the partials' l
   float* inv_l = ls + GROUP * n;   // [G]
   // The first n_early partials' outputs, as many as the launch's shared memory holds after the
-  // above (the launch gives this kernel all it can without costing a resident CTA: Fp2Kernels
-  // .decode_launch_smem), start copying into shared memory now, beside the (m, l) round trip rather
+  // above (the launch gives this kernel all it can without costing a resident CTA, and room for
+  // every partial where the grid is at most two CTAs an SM: Fp2Kernels.decode_launch_smem and
+  // .decode), start copying into shared memory now, beside the (m, l) round trip rather
   // than after it: a thread per (head, 4 channels) copies its own columns, which it alone reads back
   // (no barrier for them). cp.async holds no registers while in flight, so this is the cheap place
   // for as many partials as fit; the rest come through registers below, a round trip per chunk.
