@@ -142,10 +142,9 @@ class Fp2KernelConfig:
 
     def merge_all_early_bytes(self, num_partials: int) -> int:
         """Shared memory in which the merge holds every one of a row's `num_partials` partial outputs
-        early: its weights, l and 1 / l, 16-byte aligned, then [num_partials, G, D] fp32
+        early: `merge_smem_bytes` rounded up to 16 bytes, then [num_partials, G, D] fp32
         (attn_fp2_decode_merge.cuh's `early_at` and `n_early`)."""
-        g, d = self.group, self.head_dim
-        return 4 * (((2 * g * num_partials + g + 3) & ~3) + num_partials * g * d)
+        return -(-self.merge_smem_bytes(num_partials) // 16) * 16 + 4 * num_partials * self.group * self.head_dim
 
 
 SMALL_GRID_SMEM = 100 * 1024  # the most dynamic shared memory a decode launch of <= 2 CTAs an SM takes
@@ -168,15 +167,20 @@ class Fp2Kernels:
         allow_shared_memory(k, SMALL_GRID_SMEM)
         return k
 
+    def _most_smem_keeping(self, ctas: int, top: int) -> int:
+        """The most dynamic shared memory, from `top` down in 1 KB steps, that still keeps `ctas`
+        decode CTAs on an SM (the driver's occupancy); `decode_smem_bytes` where none does."""
+        occ, threads, need = self._decode.occupancy, 32 * self.cfg.num_warps, self.cfg.decode_smem_bytes
+        for smem in range(top, need, -1024):
+            if occ.max_active_blocks_per_multiprocessor(threads, smem) >= ctas:
+                return smem
+        return need
+
     @cached_property
     def two_cta_smem(self) -> int:
         """The most dynamic shared memory, up to SMALL_GRID_SMEM, that still keeps two decode CTAs on
         an SM: what a grid of at most two CTAs an SM may give its merges (`decode`)."""
-        occ, threads = self._decode.occupancy, 32 * self.cfg.num_warps
-        for smem in range(SMALL_GRID_SMEM, self.cfg.decode_smem_bytes, -1024):
-            if occ.max_active_blocks_per_multiprocessor(threads, smem) >= 2:
-                return smem
-        return self.cfg.decode_smem_bytes
+        return self._most_smem_keeping(2, SMALL_GRID_SMEM)
 
     @cached_property
     def _write(self):  # {search warps per block: kernel}: the short-grid build and the one-warp build
@@ -208,13 +212,8 @@ class Fp2Kernels:
         `decode_smem_bytes`; the merge copies as many partials as the rest holds into it beside its
         (m, l) round trip (attn_fp2_decode_merge.cuh), a round trip fewer per 16 partials past the
         ring's share at B = 1, where the merge is on the critical path (docs/fp2-kernel.md)."""
-        occ, threads, need = self._decode.occupancy, 32 * self.cfg.num_warps, self.cfg.decode_smem_bytes
         top = 48 * 1024 - self._decode.attributes.shared_size_bytes  # `_decode` raised the cap past it
-        ctas = self.decode_ctas_per_sm()
-        for smem in range(top, need, -1024):  # the largest that keeps the occupancy
-            if occ.max_active_blocks_per_multiprocessor(threads, smem) >= ctas:
-                return smem
-        return need
+        return self._most_smem_keeping(self.decode_ctas_per_sm(), top)
 
     def decode(
         self,
