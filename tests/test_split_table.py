@@ -176,7 +176,13 @@ def test_merge_of_some_rows_keeps_the_others_and_both_records(tmp_path: Path) ->
     again = table({1: {4096: 4, 8192: 8}, 2: {4096: 3, 8192: 3}}, kernel="a")
     merge_table(again, tmp_path)
     assert parse_tables(path.read_text(), str(path)) == [again]
-    for fewer in (table({1: {4096: 5}}, kernel="a"), table({1: {4096: 4, 8192: 8}, 3: {4096: 3, 8192: 3}}, kernel="a")):
+    # batch sizes it lacks, over the same lengths: added beside its rows
+    merge_table(replace(table({3: {4096: 3, 8192: 2}}, kernel="a"), measured="more"), tmp_path)
+    (got,) = parse_tables(path.read_text(), str(path))
+    assert got.counts == again.counts | {3: {4096: 3, 8192: 2}}
+    assert got.measured == f"{again.measured}. Batch 3: more"
+    merge_table(again, tmp_path, replace_all=True)
+    for fewer in (table({1: {4096: 5}}, kernel="a"), table({1: {4096: 4}, 3: {4096: 3}}, kernel="a")):
         with pytest.raises(ConfigError, match=r"would drop the measured batch sizes \[\d*\] and lengths"):
             merge_table(fewer, tmp_path)
         assert parse_tables(path.read_text(), str(path)) == [again]

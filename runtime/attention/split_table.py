@@ -159,16 +159,16 @@ def find_table(
 
 def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR, *, replace_all: bool = False) -> Path:
     """Write `table` into its device's file, replacing one of the same kernel, kv heads and page
-    size; the others stay. A table of some of that one's batch sizes over the same lengths (a sweep
-    of those rows again, e.g. with a count added) replaces only its rows, and its record is
-    appended to the old one's (records pile up, oldest first). A table that would drop batch sizes
-    or lengths the old one measured raises ConfigError unless `replace_all`. Returns the file's
-    path."""
+    size; the others stay. A table over the same lengths that leaves out some of that one's batch
+    sizes (a sweep of those rows again, or of batch sizes it lacks) replaces or adds only its rows,
+    and its record is appended to the old one's (records pile up, oldest first). A table that would
+    drop batch sizes or lengths the old one measured raises ConfigError unless `replace_all`.
+    Returns the file's path."""
     path = device_file(table.device, table_dir)
     old = parse_tables(path.read_text(), str(path)) if path.is_file() else []
     same = (table.kernel, table.num_kv_heads, table.page_size)
     prev = next((t for t in old if (t.kernel, t.num_kv_heads, t.page_size) == same), None)
-    if prev is not None and prev.lengths == table.lengths and set(table.counts) < set(prev.counts):
+    if prev is not None and not replace_all and prev.lengths == table.lengths and not set(prev.counts) <= set(table.counts):
         rows = ", ".join(map(str, sorted(table.counts)))
         table = replace(
             table, measured=f"{prev.measured}. Batch {rows}: {table.measured}", counts=prev.counts | table.counts
