@@ -168,14 +168,14 @@ def merge_table(table: SplitTable, table_dir: Path = TABLE_DIR, *, replace_all: 
     old = parse_tables(path.read_text(), str(path)) if path.is_file() else []
     same = (table.kernel, table.num_kv_heads, table.page_size)
     prev = next((t for t in old if (t.kernel, t.num_kv_heads, t.page_size) == same), None)
-    if prev is not None and not replace_all and prev.lengths == table.lengths and not set(prev.counts) <= set(table.counts):
-        rows = ", ".join(map(str, sorted(table.counts)))
-        table = replace(
-            table, measured=f"{prev.measured}. Batch {rows}: {table.measured}", counts=prev.counts | table.counts
-        )
-    elif prev is not None and not replace_all:
+    if prev is not None and not replace_all:
         lost_b, lost_l = sorted(set(prev.counts) - set(table.counts)), sorted(set(prev.lengths) - set(table.lengths))
-        if lost_b or lost_l:
+        if lost_b and prev.lengths == table.lengths:  # rows over the same grid: merged into the old
+            rows = ", ".join(map(str, sorted(table.counts)))
+            table = replace(
+                table, measured=f"{prev.measured}. Batch {rows}: {table.measured}", counts=prev.counts | table.counts
+            )
+        elif lost_b or lost_l:
             raise ConfigError(
                 f"{path}: this table would drop the measured batch sizes {lost_b} and lengths {lost_l} of "
                 f"{same}; sweep them too, or replace the whole table (replace_all, bench split-table --replace)"
