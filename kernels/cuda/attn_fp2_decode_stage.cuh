@@ -149,17 +149,17 @@ ZD_DEVICE void load_stage(bool live, uint32_t dst, int lane, const CopyPlan& cp,
   const uint32_t k_dst = dst + cp.kc, v_dst = dst + cp.vc, s_dst = dst + 16 * lane;
 #pragma unroll
   for (int x = 0; x < kCodeChunks; ++x) {
-    cp_async16_if(live, k_dst + 512 * x, kc + 128 * x);  // chunk lane + 32x: 512 bytes further
-    cp_async16_if(live, v_dst + 512 * x, vc + 128 * x);
+    cp_async16_ca_if(live, k_dst + 512 * x, kc + 128 * x);  // chunk lane + 32x: 512 bytes further
+    cp_async16_ca_if(live, v_dst + 512 * x, vc + 128 * x);
   }
   if constexpr (NBK == NBV) {
     // One copy a lane: the first TOK NBK / 16 lanes a key scale chunk, the next as many a value
     // scale chunk (the caller points their ks there), which lands right after the key run's end.
     static_assert(kOffVs == kOffKs + TOK * NBK && 2 * (TOK * NBK / 16) <= 32, "scale runs in one copy");
-    cp_async16_if(live && lane < 2 * (TOK * NBK / 16), s_dst + kOffKs, ks);
+    cp_async16_ca_if(live && lane < 2 * (TOK * NBK / 16), s_dst + kOffKs, ks);
   } else {
-    cp_async16_if(live && lane < TOK * NBK / 16, s_dst + kOffKs, ks);
-    cp_async16_if(live && lane < TOK * NBV / 16, s_dst + kOffVs, vs);
+    cp_async16_ca_if(live && lane < TOK * NBK / 16, s_dst + kOffKs, ks);
+    cp_async16_ca_if(live && lane < TOK * NBV / 16, s_dst + kOffVs, vs);
   }
 }
 
