@@ -84,9 +84,9 @@ ZD_DEVICE void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
 // A whole 16-byte chunk through L1 (`.ca`), issued only if `pred` (a predicated instruction, no
 // branch): the decode's stage copies. Through L1 each warp's copy asks L2 for the 16 sectors of its
 // 512 bytes; the L2-only form above (`.cg`) asks for 32 (Nsight Compute's count), and `.ca` cut
-// the decode's time by 4.5-6.9% at B = 8 and at B = 1, 128k on an H100 (docs/fp2-kernel.md, "The
-// stage copies"). Hazard: L1 is not coherent within a launch, so only for data no CTA of the same
-// launch writes (the pages; never the partials the merge reads, which take `cp_async16`).
+// the decode's time by 4.5-6.9% at B = 8 and at B = 1, 128k on an H100 (docs/fp2-kernel.md,
+// "The stage copies through L1"). Hazard: L1 is not coherent within a launch, so only for data no
+// CTA of the same launch writes (the pages; never the partials the merge reads: `cp_async16`).
 ZD_DEVICE void cp_async16_ca_if(bool pred, uint32_t dst, const void* src) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.ca.shared.global [%1], [%2], 16;\n}" ::"r"(
