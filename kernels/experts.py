@@ -11,7 +11,8 @@ kernels (32 rows a pass, more rows). Where a projection's reduction dim is at le
 `ExpertsConfig.bulk_min_k` both kinds are launched and each skips the other's experts, so the split
 needs no host sync; below it the register kernels take every expert. It validates its inputs once,
 allocates the [N, F] intermediate and the [N, D] output, and launches on torch's current stream
-without a host sync (capturable in a CUDA graph). Call `load_experts_kernels` before a capture.
+without a host sync (capturable in a CUDA graph). The first call compiles the kernels; the engine's
+graph captures run eager warm-ups first, so no capture compiles.
 """
 
 from __future__ import annotations
@@ -178,14 +179,6 @@ def _kernels(device_index: int, config: ExpertsConfig) -> dict[str, object]:
             out[name] = load_module("moe_experts_bulk", experts_build_options(shape)).kernel(name)
             allow_shared_memory(out[name], shape.smem_bytes(mats))
     return out
-
-
-def load_experts_kernels(
-    device: torch.device | str | None = None, config: ExpertsConfig = DEFAULT_CONFIG
-) -> None:
-    """Compile and load the kernels on `device` now (not inside a graph capture)."""
-    with torch.cuda.device(device):
-        _kernels(torch.cuda.current_device(), config)
 
 
 def swiglu_experts_cuda(

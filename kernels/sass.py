@@ -86,7 +86,6 @@ class Loop:
     """
 
     head_addr: int
-    end_addr: int  # address of the loop's last instruction
     walk: tuple[Instr, ...]  # the steady walk's instructions, in order
     shortest: int
     longest: int
@@ -301,8 +300,7 @@ def census_text(sass: str, kernel: str, num_registers: int = 0) -> KernelSass:
         walk, shortest, longest = _walks(instrs, blocks, body, head, set(latches[head]), dom)
         walked = tuple(instrs[i] for b in walk for i in range(blocks[b].first, blocks[b].end))
         depth = sum(1 for h, other in bodies.items() if h != head and body < other)
-        last = blocks[max(body)]
-        loops.append(Loop(instrs[blocks[head].first].addr, instrs[last.end - 1].addr, walked, shortest, longest, depth))
+        loops.append(Loop(instrs[blocks[head].first].addr, walked, shortest, longest, depth))
     loops.sort(key=lambda lp: (lp.depth, lp.head_addr))
     return KernelSass(kernel, num_registers, tuple(instrs), tuple(blocks), tuple(loops), tuple(indirect))
 

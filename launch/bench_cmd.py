@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "settle": ("benchmarks/settle_probe.py", "how long a decode runs slow after heavy GPU work (a probe)"),
     "p-rounding": ("benchmarks/p_rounding.py", "decode-attention output error with P rounded to e4m3 or fp16 (a probe)"),
     "sass": ("benchmarks/sass_census.py", "the decode kernel's main loop in SASS: instructions per stage, no GPU needed"),
+    "kv-quality": ("benchmarks/kv_quality.py", "every KV format's perplexity on SmolLM2, into docs/kv-quality.md (--render-only: rewrite the doc)"),
     "ab-report": ("benchmarks/ab_report.py", "the table of an ab.sh run: a metric's range over rounds, per case and variant"),
 }
 

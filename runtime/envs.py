@@ -95,8 +95,5 @@ class _Registry:
     )
     # --- end expert parallelism ---
 
-    def all(self) -> list[EnvVar]:
-        return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
-
 
 ENVS = _Registry()

@@ -34,8 +34,6 @@ class KVPartition(KVStore, Protocol):
 
     def pages_for(self, num_tokens: int) -> int: ...
 
-    def pages_held(self, seq_id: int) -> int: ...
-
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Make room for `seq_id` to hold `num_tokens` tokens in all; raises KVCapacityError."""
         ...
@@ -141,9 +139,6 @@ class TorchPagedKV:
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
-
-    def pages_held(self, seq_id: int) -> int:
-        return len(self._tables.get(seq_id, ()))
 
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         table = self._tables.setdefault(seq_id, [])

@@ -98,9 +98,6 @@ class RuntimeKVPartition:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def pages_held(self, seq_id: int) -> int:
-        return self._reserved.get(seq_id, 0)
-
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         need = self.pages_for(num_tokens) - self._reserved.get(seq_id, 0)
         if need > self.num_free_pages():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from zerodram.runtime.kv.errors import KVCapacityError, KVInputError
 
 
@@ -41,10 +39,7 @@ class PageAllocator:
 
 
 class BlockTables:
-    """Sequence slots: for each, the list of its pages in order and its length in tokens.
-
-    `as_tensor()` gives the kernel's view: int32 [max_seqs, max_pages_per_seq], -1 where unused.
-    """
+    """Sequence slots: for each, the list of its pages in order and its length in tokens."""
 
     def __init__(self, max_seqs: int, max_pages_per_seq: int) -> None:
         self.max_seqs = max_seqs
@@ -74,9 +69,3 @@ class BlockTables:
         self.check(seq_id)
         self.lens.pop(seq_id)
         return self.pages.pop(seq_id)
-
-    def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        t = torch.full((self.max_seqs, self.max_pages_per_seq), -1, dtype=torch.int32)
-        for sid, pages in self.pages.items():
-            t[sid, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return t.to(device)

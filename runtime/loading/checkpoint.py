@@ -95,7 +95,6 @@ def load_for_rank(
     *,
     topology: object | None = None,
     num_experts: int | None = None,
-    as_moe: bool | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
@@ -104,7 +103,6 @@ def load_for_rank(
 
     Args:
         num_experts: experts to slice a dense model into (default: world size).
-        as_moe: serve a dense model as MoE (default: the spec's choice; always when world_size > 1).
 
     Raises:
         ConfigError: bad checkpoint, or a dense FFN that does not split into `num_experts`.
@@ -131,8 +129,7 @@ def load_for_rank(
     ckpt = checkpoint_dir(spec)
     source = SafetensorsDir(ckpt)
     config = ModelConfig.from_hf_dict(source.config_dict(), source=str(ckpt / "config.json"))
-    want_moe = spec.as_moe if as_moe is None else as_moe
-    if not config.is_moe and (want_moe or world_size > 1):
+    if not config.is_moe and (spec.as_moe or world_size > 1):
         config = config.as_dense_moe(num_experts or world_size)
     placement = ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
     w = load_model_weights(source, config, placement, rank, dtype=dtype, device=device)

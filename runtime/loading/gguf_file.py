@@ -62,9 +62,6 @@ _STACKED = {
     "ffn_up_exps.weight": "up_proj",
     "ffn_down_exps.weight": "down_proj",
 }
-_PER_EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.)mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

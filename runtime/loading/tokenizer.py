@@ -46,9 +46,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id) or ""
-
     def apply_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` rendered with the chat template (plain concatenation without one)."""
         if not self.chat_template:

@@ -1,9 +1,11 @@
 """Live KV-quality telemetry: how far the quantized KV cache is from full precision, per layer.
 
-The engine calls `maybe_sample` right after writing a K/V block, with the full-precision values
-it quantized and what dequantizing the stored block gives back. One call in `period` per layer is
-kept: a few rows are sliced, detached and copied to the host (asynchronously on a GPU, with an
-event to say when the copy landed); nothing is computed in the step. `summarize()`, called when a
+The engine calls `take_turn` at each K/V write of a layer, and on one write in `period` hands
+`record_raw` a few of the freshly written rows at full precision with the KV format's round trip,
+which runs later, off the step (runtime/engine/metrics_bridge.py). A caller that already has the
+dequantized block calls `maybe_sample` (or `record`) with both. Either way the kept rows are sliced,
+detached and copied to the host (asynchronously on a GPU, with an event to say when the copy
+landed); nothing is computed in the step. `summarize()`, called when a
 snapshot is built (publisher thread), turns the landed samples into relative errors:
 
     k_rel_err     = ||k_deq - k_fp||_F / ||k_fp||_F      over the sampled rows

@@ -137,7 +137,6 @@ class CudaStepTimer(StepTimer):
         super().__init__(sample_every)
         import torch
 
-        self._torch = torch
         self._free = deque(_Slot(torch, max_marks_per_step) for _ in range(ring_size))
         self._pending: deque[_Slot] = deque()
         self._cur: _Slot | None = None

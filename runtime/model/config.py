@@ -16,7 +16,6 @@ which reproduces the dense model exactly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -298,12 +297,3 @@ def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
         truncate=bool(merged.get("truncate", True)),
         **{k: None if v is None else float(v) for k, v in optional.items()},
     )
-
-
-def human_count(n: float) -> str:
-    """1.23e9 -> '1.23B' (for logs and the demo)."""
-    if n <= 0:
-        return "0"
-    units = ["", "K", "M", "B", "T"]
-    k = min(int(math.log10(n) // 3), len(units) - 1)
-    return f"{n / 10 ** (3 * k):.3g}{units[k]}"

@@ -121,12 +121,6 @@ class EpMoELayer:
             y = y + self.shared(x)  # overlaps nothing yet: a later step runs it during the dispatch
         return y
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_idx, topk_weight) of the last `forward`-style routing, computed on the host."""
-        from zerodram.runtime.comm.base import RouteInput
-
-        return self.comm.route_on_host(x, RouteInput(gate_weight=self.gate_weight))
-
     def _experts_and_combine(self, out: Any) -> torch.Tensor:
         y_packed = grouped_swiglu(
             out.recv_x, out.recv_expert_offsets, self.experts, self.experts_path, sent_rows=out.topk_idx.numel()

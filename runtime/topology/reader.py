@@ -171,10 +171,10 @@ class Reader:
             raise self.error(node, field, f"expected {f'{what} ({bound})' if what else bound}, got {value}")
         return value
 
-    def number(self, node: Node, field: str, *, positive: bool = True) -> float:
-        """An int or float; positive unless told otherwise (bandwidths)."""
+    def number(self, node: Node, field: str) -> float:
+        """A positive int or float (bandwidths)."""
         value = float(self._scalar(node, field, ("int", "float"), "a number"))
-        if positive and not value > 0:
+        if not value > 0:
             raise self.error(node, field, f"expected a positive number, got {value:g}")
         return value
 
