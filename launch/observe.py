@@ -36,7 +36,7 @@ def observe(
         args: `no_dashboard`, `metrics_file`, `svg` (see `add_dashboard_args`).
         console: where rank 0 draws (default stdout; serve passes stderr when stdout carries results).
     """
-    _, agent = start_metrics(engine, ctx)
+    collector, agent = start_metrics(engine, ctx)
     dash = None
     if ctx.rank == 0:
         console = console or Console()
@@ -50,7 +50,8 @@ def observe(
         ).start()
     try:
         yield dash
-    except BaseException:
+    except BaseException as err:
+        collector.failed(err)  # in the "stopped" snapshot below: rank 0's last frame says why
         if dash is not None:
             dash.stop()
         agent.stop()

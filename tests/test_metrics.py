@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from zerodram.runtime.errors import RankTimeoutError
 from zerodram.runtime.metrics import (
     PHASES,
     ClusterSampler,
@@ -232,6 +233,19 @@ def test_store_transport_does_not_block_on_absent_ranks() -> None:
     blobs = reader.read()
     assert sorted(blobs) == [0, 2]
     assert RankSnapshot.from_json(blobs[2]).seq == 6
+
+
+def test_the_error_that_stops_a_rank_is_in_its_last_snapshot() -> None:
+    c = MetricsCollector(0, 2, "cpu")
+    c.failed(RankTimeoutError("rank 0 waited 30 s for rank 1's dispatch of expert 3"))
+    c.failed(ValueError("bad row"))
+    c.failed(KeyboardInterrupt())  # an interrupt is no failure of the rank
+    snap = c.snapshot("stopped")
+    assert (snap.num_timeouts, snap.num_errors, snap.num_warnings) == (1, 1, 0)
+    assert [(w.level, w.message) for w in snap.recent_warnings] == [
+        ("timeout", "rank 0 waited 30 s for rank 1's dispatch of expert 3"),
+        ("error", "ValueError: bad row"),
+    ]
 
 
 def test_agent_publishes_periodically_and_a_final_stopped_snapshot() -> None:

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from zerodram.runtime.errors import RankTimeoutError
 from zerodram.runtime.metrics.counters import CounterVector, RateWindow
 from zerodram.runtime.metrics.kv_quality import KvQualitySampler
 from zerodram.runtime.metrics.snapshot import (
@@ -167,6 +168,15 @@ class MetricsCollector:
     def timeout(self, message: str) -> None:
         """Record a bounded wait that expired (name the rank / expert / slot waited for)."""
         self._note("timeout", message)
+
+    def failed(self, err: BaseException) -> None:
+        """Record the error that ends this rank's serving, so that the last snapshot (published as
+        the rank stops) says why: a `RankTimeoutError` as a timeout (its message names who waited
+        for what), any other exception as an error; an interrupt (Ctrl-C, exit) records nothing."""
+        if isinstance(err, RankTimeoutError):
+            self.timeout(str(err))
+        elif isinstance(err, Exception):
+            self.error(f"{type(err).__name__}: {err}")
 
     def _note(self, level: str, message: str) -> None:
         with self._lock:
