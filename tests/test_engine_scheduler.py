@@ -212,6 +212,29 @@ def test_text_deltas_hold_back_incomplete_characters() -> None:
     assert got == ["caf", "", "é", " ok"]
 
 
+def test_kv_options_default_to_the_topology_and_override_it() -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from zerodram.runtime.engine.jobs import add_engine_args, engine_config
+    from zerodram.runtime.kv.format import DEFAULT_FP2
+    from zerodram.runtime.topology.schema import KvSpec
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    topo = SimpleNamespace(kv=KvSpec(format="bf16", page_size=64))
+
+    def kv(argv: list[str], topology: object = None) -> tuple[str, int]:
+        c = engine_config(p.parse_args(argv), topology)
+        return c.kv_format, c.page_size
+
+    assert kv([]) == (DEFAULT_FP2, 32)  # no topology: KvSpec's defaults
+    assert kv([], topo) == ("bf16", 64)
+    assert kv(["--kv", "fp8", "--page-size", "16"], topo) == ("fp8", 16)
+    with pytest.raises(SystemExit):  # argparse names the bad value and exits 2
+        p.parse_args(["--kv", "fp3"])
+
+
 def test_graph_options_map_to_the_engine_config() -> None:
     import argparse
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from zerodram.launch.cli import main
 from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.format import DEFAULT_FP2
 from zerodram.runtime.topology import (
     RankSpec,
     Topology,
@@ -131,7 +132,7 @@ def test_local_cpu_4() -> None:
     assert topo.experts.num_experts == 32
     assert topo.experts.local_experts(1) == tuple(range(8, 16))
     assert topo.experts.owners(9) == (1,)
-    assert (topo.kv.policy, topo.kv.format, topo.kv.page_size) == ("owner", "fp2", 16)
+    assert (topo.kv.policy, topo.kv.format, topo.kv.page_size) == ("owner", DEFAULT_FP2, 32)
     assert topo.link_class(0, 1) == "SHM"
     assert topo.link_bandwidth_gbps(0, 3) == 80
 

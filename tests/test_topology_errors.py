@@ -97,7 +97,8 @@ CASES = [
     ("port-too-high", CPU + EXPERTS + "rendezvous: {master_port: 70000}\n", "9:27", "rendezvous.master_port",
      "expected a port <= 65535, got 70000"),
     ("bad-choice", CPU + EXPERTS + "kv: {format: fp3}\n", "9:14", "kv.format",
-     "expected one of fp2, bf16, fp8, got 'fp3'; did you mean"),
+     "'fp3': expected one of fp2, fp8, bf16, fp16, fp32 or fp2:OPTIONS; did you mean"),
+    ("bad-fp2-option", CPU + EXPERTS + 'kv: {format: "fp2:nope=1"}\n', "9:14", "kv.format", "nope"),
     # -- unknown and misspelled keys --------------------------------------------------------
     ("unknown-top-key", CPU + EXPERTS + "foo: 1\n", "9:1", "foo", "unknown key 'foo' (known keys: cluster,"),
     ("misspelled-key", CPU + "experts: {num_expert: 4}\n", "8:11", "experts.num_expert",

@@ -24,41 +24,37 @@ import json
 import queue
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 from zerodram.runtime.engine.config import EngineConfig
 from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.format import DEFAULT_FP2
-
-KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
+from zerodram.runtime.kv.format import ENGINE_KV_FORMATS, check_engine_kv_format
+from zerodram.runtime.topology.schema import KvSpec
 
 
 def kv_format_arg(text: str) -> str:
-    """`--kv`: one of KV_FORMATS or an FP2 spec `fp2:key=value,...` (checked here, at the edge)."""
-    from zerodram.runtime.kv.format import parse_kv_spec
-
-    if text in KV_FORMATS:
-        return text
-    if not text.startswith("fp2:"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(KV_FORMATS)} or fp2:OPTIONS")
+    """`--kv`: one of ENGINE_KV_FORMATS or an FP2 spec `fp2:key=value,...` (checked here, at the edge)."""
     try:
-        parse_kv_spec(text)
+        return check_engine_kv_format(text)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
-def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2) -> None:
-    """The engine options shared by generate, serve and demo."""
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options shared by generate, serve and demo. `--kv` and `--page-size` default to
+    the topology's `kv` section (`engine_config`), whose own defaults are `KvSpec`'s."""
+    kv = KvSpec()
     p.add_argument("--model", default="smollm2", help="smollm2 | HF dir | file.gguf | random:NAME")
     p.add_argument(
         "--kv",
         type=kv_format_arg,
-        default=default_kv,
-        help=f"KV page format: {' | '.join(KV_FORMATS)} | fp2:OPTIONS (docs/fp2-format.md); "
-        f"default {default_kv} (calibrated at start, see --kv-calibration); bare fp2 needs no calibration",
+        default=None,
+        help=f"KV page format: {' | '.join(ENGINE_KV_FORMATS)} | fp2:OPTIONS (docs/fp2-format.md); "
+        f"default the topology's kv.format, else {kv.format} (calibrated at start, see --kv-calibration); "
+        "bare fp2 needs no calibration",
     )
     p.add_argument(
         "--kv-calibration",
@@ -71,7 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights / compute dtype")
     p.add_argument("--experts", type=int, default=None, help="experts to slice a dense model into")
     p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages per rank")
-    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
+    p.add_argument(
+        "--page-size", type=int, default=None, help=f"tokens per KV page (default the topology's kv.page_size, else {kv.page_size})"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="running requests per rank")
     p.add_argument("--max-step-tokens", type=int, default=256, help="tokens per step per rank")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per request per step")
@@ -94,16 +92,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, default_kv: str = DEFAULT_FP2
     )
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the shared options (the engine refuses graphs it cannot capture)."""
+def engine_config(args: argparse.Namespace, topology: Any = None) -> EngineConfig:
+    """EngineConfig from the shared options (the engine refuses graphs it cannot capture); the KV
+    format and page size not given take the topology's `kv` defaults (`KvSpec`'s without one)."""
     graphs = {"on": True, "off": False}.get(args.cuda_graphs, "auto")
     defer_write = {"on": True, "off": False}.get(args.defer_write, "auto")
+    kv = topology.kv if topology is not None else KvSpec()
     return EngineConfig(
-        kv_format=args.kv,
+        kv_format=args.kv if args.kv is not None else kv.format,
         kv_calibration=args.kv_calibration,
         kv_calibration_save=args.kv_calibration_save,
         num_kv_pages=args.num_kv_pages,
-        page_size=args.page_size,
+        page_size=args.page_size if args.page_size is not None else kv.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens, args.prefill_chunk),
         cuda_graphs=graphs,
         defer_write=defer_write,
@@ -136,34 +136,24 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
     from zerodram.runtime.engine.build import build_engine
 
     convert_once_per_node(args.model, ctx)
-    try:
-        engine = build_engine(
-            args.model,
-            ctx,
-            engine_config(args),
-            dtype=args.dtype,
-            num_experts=args.experts,
-            ep_backend=args.ep_backend,
-            **kw,
+    config = engine_config(args, getattr(ctx, "topology", None))
+
+    def build(config: EngineConfig) -> Any:
+        return build_engine(
+            args.model, ctx, config, dtype=args.dtype, num_experts=args.experts, ep_backend=args.ep_backend, **kw
         )
+
+    try:
+        engine = build(config)
         if engine.kv_calibration is not None and getattr(ctx, "rank", 0) == 0:
             print(engine.kv_calibration.summary, file=sys.stderr, flush=True)
         return engine
     except ConfigError as err:
-        if not args.kv.startswith("fp2") or "runtime/kv" not in str(err):
+        if not config.kv_format.startswith("fp2") or "runtime/kv" not in str(err):
             raise
         if getattr(ctx, "rank", 0) == 0:
             print(f"note: {err}; using bf16 KV pages", file=sys.stderr)
-        args.kv = "bf16"
-        return build_engine(
-            args.model,
-            ctx,
-            engine_config(args),
-            dtype=args.dtype,
-            num_experts=args.experts,
-            ep_backend=args.ep_backend,
-            **kw,
-        )
+        return build(replace(config, kv_format="bf16"))
 
 
 class LineSource:

@@ -24,6 +24,7 @@ FP2 keys (``X`` = ``k`` or ``v`` sets one side, the bare key sets both):
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -243,6 +244,25 @@ _GLOBAL_KEYS = {"sinks", "tail", "window", "page", "seed", "layerrot"}
 # 2.49 bits/elem all-in at 2k. It needs calibration constants (the feedback factors); the bare
 # "fp2" is the calibration-free configuration the CUDA kernels read and write today.
 DEFAULT_FP2 = "fp2:fb=1,tail=1,window=47"
+
+# The engine's KV page formats by name (`--kv`, a topology's `kv.format`); FP2 also as fp2:OPTIONS.
+ENGINE_KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
+
+
+def check_engine_kv_format(text: str) -> str:
+    """`text` if the engine serves it: one of ENGINE_KV_FORMATS or an FP2 spec `fp2:key=value,...`.
+
+    Raises:
+        ConfigError: anything else (the message names the value and what was expected).
+    """
+    if text in ENGINE_KV_FORMATS:
+        return text
+    if not text.startswith("fp2:"):
+        hint = difflib.get_close_matches(text, ENGINE_KV_FORMATS, n=1, cutoff=0.6)
+        maybe = f"; did you mean '{hint[0]}'?" if hint else ""
+        raise ConfigError(f"{text!r}: expected one of {', '.join(ENGINE_KV_FORMATS)} or fp2:OPTIONS{maybe}")
+    parse_kv_spec(text)
+    return text
 
 
 def parse_kv_spec(text: str) -> ParsedKV:

@@ -25,7 +25,6 @@ from zerodram.runtime.topology.schema import (
     DEVICE_KINDS,
     INTER_NODE_KINDS,
     INTRA_NODE_KINDS,
-    KV_FORMATS,
     KV_POLICIES,
     PCI_CLASSES,
     Fabric,
@@ -308,7 +307,7 @@ def _kv(r: Reader, entry: Entry | None) -> KvSpec:
         policy=r.str_(sec["policy"].value, "kv.policy", choices=KV_POLICIES)
         if "policy" in sec
         else default.policy,
-        format=r.str_(sec["format"].value, "kv.format", choices=KV_FORMATS)
+        format=r.str_(sec["format"].value, "kv.format")  # checked by KvSpec, located by the loader
         if "format" in sec
         else default.format,
         page_size=r.int_(sec["page_size"].value, "kv.page_size", minimum=1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.format import DEFAULT_FP2, check_engine_kv_format
 from zerodram.runtime.topology.checks import NVLINK_KINDS, check_cluster
 from zerodram.runtime.topology.placement import ExpertLayout
 from zerodram.runtime.topology.ring import RingSchedule
@@ -24,7 +25,6 @@ INTER_NODE_KINDS = ("infiniband", "roce")
 # nvidia-smi topo -m classes a PCIe path between two GPUs of one NUMA node can have.
 PCI_CLASSES = ("PIX", "PXB", "PHB", "NODE")
 KV_POLICIES = ("owner",)
-KV_FORMATS = ("fp2", "bf16", "fp8")
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -119,21 +119,23 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class KvSpec:
-    """KV cache defaults. policy "owner": each rank owns the KV of its own requests."""
+    """KV cache defaults: what the engine serves where its `--kv` / `--page-size` are not given
+    (runtime/engine/jobs.py, `engine_config`). policy "owner": each rank owns the KV of its own
+    requests. format: a KV page format as `--kv` takes it (`check_engine_kv_format`)."""
 
     policy: str = "owner"
-    format: str = "fp2"
-    page_size: int = 16
+    format: str = DEFAULT_FP2
+    page_size: int = 32
 
     def __post_init__(self) -> None:
         if self.policy not in KV_POLICIES:
             raise ConfigError(
                 f"expected one of {', '.join(KV_POLICIES)}, got '{self.policy}'", field="kv.policy"
             )
-        if self.format not in KV_FORMATS:
-            raise ConfigError(
-                f"expected one of {', '.join(KV_FORMATS)}, got '{self.format}'", field="kv.format"
-            )
+        try:
+            check_engine_kv_format(self.format)
+        except ConfigError as err:
+            raise ConfigError(err.message, field="kv.format") from None
         if self.page_size < 1:
             raise ConfigError(f"expected a page size >= 1 token, got {self.page_size}", field="kv.page_size")
 
