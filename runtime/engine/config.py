@@ -8,6 +8,7 @@ from zerodram.runtime.attention.reference import VALUE_PRODUCTS
 from zerodram.runtime.engine.calibration import CALIB_TOKENS
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.kv.format import DEFAULT_PAGE_SIZE
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class EngineConfig:
 
     kv_format: str = "bf16"
     num_kv_pages: int = 512
-    page_size: int = 32
+    page_size: int = DEFAULT_PAGE_SIZE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
     cuda_graphs: bool | str = False

@@ -245,6 +245,10 @@ _GLOBAL_KEYS = {"sinks", "tail", "window", "page", "seed", "layerrot"}
 # "fp2" is the calibration-free configuration the CUDA kernels read and write today.
 DEFAULT_FP2 = "fp2:fb=1,tail=1,window=47"
 
+# Tokens per KV page where neither the engine's caller nor the topology says (EngineConfig, KvSpec);
+# the served SmolLM2 shape's measured split tables are for pages of this size.
+DEFAULT_PAGE_SIZE = 32
+
 # The engine's KV page formats by name (`--kv`, a topology's `kv.format`); FP2 also as fp2:OPTIONS.
 ENGINE_KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
 

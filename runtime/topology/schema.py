@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.format import DEFAULT_FP2, check_engine_kv_format
+from zerodram.runtime.kv.format import DEFAULT_FP2, DEFAULT_PAGE_SIZE, check_engine_kv_format
 from zerodram.runtime.topology.checks import NVLINK_KINDS, check_cluster
 from zerodram.runtime.topology.placement import ExpertLayout
 from zerodram.runtime.topology.ring import RingSchedule
@@ -125,7 +125,7 @@ class KvSpec:
 
     policy: str = "owner"
     format: str = DEFAULT_FP2
-    page_size: int = 32
+    page_size: int = DEFAULT_PAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.policy not in KV_POLICIES:
