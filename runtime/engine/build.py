@@ -29,6 +29,7 @@ def build_model(
     *,
     max_step_tokens: int = 256,
     ep_backend: str | None = None,
+    ep_wire: str = "bf16",
 ) -> Transformer:
     """The rank's `Transformer`, its MoE layers bound to the world's expert parallelism.
 
@@ -36,6 +37,7 @@ def build_model(
         ctx: the rank context (None: one process, all experts local).
         max_step_tokens: the most tokens one step sends through a MoE layer (EP buffer sizing).
         ep_backend: "torch", "nvshmem", "auto" (runtime/moe's layer) or "allgather" (stopgap).
+        ep_wire: the dispatch's row format across ranks, "bf16" or "fp8" (`ExpertParallelWorld`).
     """
     cfg = rm.config
     world = ExpertParallelWorld(
@@ -49,6 +51,7 @@ def build_model(
         backend=ep_backend,
         dtype=rm.weights["embed"].dtype,
         every_token=cfg.router_kind == "dense_slices",
+        wire=ep_wire,
     )
     # No close on an error here: closing is collective, and a rank that failed alone would pair
     # its close with the others' next layer; process exit tears NVSHMEM down (as Engine.__exit__).
@@ -66,6 +69,7 @@ def build_engine(
     timer: PhaseTimer = NULL_TIMER,
     on_step: Any = None,
     ep_backend: str | None = None,
+    ep_wire: str = "bf16",
 ) -> Engine:
     """Load `model` (see `ModelSpec.parse`) for this rank and return its engine.
 
@@ -91,7 +95,7 @@ def build_engine(
     tokenizer = Tokenizer(rm.tokenizer_dir) if rm.tokenizer_dir is not None else None
     config = config or EngineConfig()
     model_ = build_model(
-        rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend
+        rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend, ep_wire=ep_wire
     )
     engine = Engine(model_, config, tokenizer=tokenizer, ctx=ctx, on_step=on_step)
     engine.model_name = rm.name

@@ -75,6 +75,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per request per step")
     p.add_argument("--ep-backend", default=None, help="auto | torch | nvshmem | allgather")
     p.add_argument(
+        "--ep-wire",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="how the dispatch sends a token's row to its experts' ranks: bf16, or fp8 (e4m3 values and "
+        "one scale per 128 channels: about half the bytes; needs hidden %% 128 == 0). The combine "
+        "returns the model's rows either way; one rank sends nothing",
+    )
+    p.add_argument(
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default="auto",
@@ -140,7 +148,8 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
 
     def build(config: EngineConfig) -> Any:
         return build_engine(
-            args.model, ctx, config, dtype=args.dtype, num_experts=args.experts, ep_backend=args.ep_backend, **kw
+            args.model, ctx, config, dtype=args.dtype, num_experts=args.experts, ep_backend=args.ep_backend,
+            ep_wire=args.ep_wire, **kw
         )
 
     try:

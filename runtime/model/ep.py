@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
+from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.model.local_experts import DenseLocalExperts, LocalExperts
 from zerodram.runtime.model.moe import ExpertWeights
 from zerodram.runtime.model.timing import NULL_TIMER, PhaseTimer
@@ -133,6 +134,7 @@ def make_expert_parallel(
     backend: str | None = None,
     session: object | None = None,
     every_token: bool = False,
+    wire: str = "bf16",
 ) -> ExpertParallel:
     """The expert-parallel layer for one MoE layer.
 
@@ -141,6 +143,7 @@ def make_expert_parallel(
     context is given, else the `AllGatherEP` stopgap. `backend="allgather"` forces the stopgap.
     A model's layers are built through `ExpertParallelWorld`, which shares what they can.
     every_token: the router sends every token to every expert (see `RoutedLocalExperts`).
+    wire: how runtime/moe's layer sends rows to the experts' ranks (`EpLayout`); one rank sends none.
     """
     if world_size == 1:
         return LocalExperts(experts, timer, every_token=every_token)
@@ -155,6 +158,7 @@ def make_expert_parallel(
         top_k=top_k,
         max_tokens_per_rank=max_tokens_per_rank,
         placement=_placement(ctx, rank, world_size, expert_to_rank),
+        wire=wire,
         backend=backend,
         session=session,
     )
@@ -210,6 +214,12 @@ class ExpertParallelWorld:
         backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
         dtype: the model's compute dtype (NVSHMEM moves bf16 rows; see `resolve_backend`).
         every_token: the router sends every token to every expert with weight 1 (`dense_slices`).
+        wire: the dispatch's row format across ranks, "bf16" or "fp8" (`EpLayout`; combine sends
+            the model's rows either way). One rank sends nothing, so there it changes nothing.
+
+    Raises:
+        ConfigError: a wire the layers cannot send: unknown, a hidden size fp8's 128-channel
+            scale groups do not divide, or fp8 through the all-gather stopgap.
     """
 
     def __init__(
@@ -225,25 +235,35 @@ class ExpertParallelWorld:
         backend: str | None = None,
         dtype: torch.dtype | None = None,
         every_token: bool = False,
+        wire: str = "bf16",
     ) -> None:
-        self.ctx, self.timer, self.every_token = ctx, timer, every_token
+        self.ctx, self.timer, self.every_token, self.wire = ctx, timer, every_token, wire
         self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
         self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
         self.backend, self.session = backend, None
         self.pin = True  # pin each communicator to one phase (the NVSHMEM branch below may refuse)
         self.built: list[ExpertParallel] = []
         self._checked: tuple[int, list, list[torch.Tensor]] | None = None  # check()'s communicators
-        if self.world_size == 1 or ctx is None or backend == "allgather":
+        if self.world_size == 1 or ctx is None:
+            return
+        if backend == "allgather":
+            if wire != "bf16":
+                raise ConfigError(
+                    f"EP wire {wire!r} needs runtime/moe's EP layer; the allgather stopgap gathers whole rows"
+                )
             return
         from zerodram.runtime.comm import EpLayout, resolve_backend
 
         self.backend = resolve_backend(ctx, backend, dtype)
+        if num_moe_layers:
+            placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
+            # as each EpMoELayer.create builds it; here once, so a wire the model cannot send fails
+            # before the first layer's buffers
+            layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire)
         if self.backend == "nvshmem" and num_moe_layers:
             from zerodram.runtime.comm.nvshmem_comm import heap_bytes
             from zerodram.runtime.comm.nvshmem_session import NvshmemSession
 
-            placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
-            layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank)  # as EpMoELayer.create's
             # the engine calls each layer once per step, in layer order: one phase serves them all,
             # unless a rank hosts no expert (see the class docstring); the placement is global
             one = self.pin = every_rank_hosts_an_expert(placement)
@@ -283,6 +303,7 @@ class ExpertParallelWorld:
             backend=self.backend,
             session=self.session,
             every_token=self.every_token,
+            wire=self.wire,
         )
         if isinstance(ep, _TimedEP) and self.pin:  # the engine calls each layer once per step: one phase serves
             ep.layer.comm.pin_phase()
