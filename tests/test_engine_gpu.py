@@ -209,6 +209,16 @@ def _agree_to_a_near_tie(what: str, got: tuple, want: tuple, rtol: float) -> Non
     print(f"{what}: largest logit error {worst:.4f} of max |logit| (allowed {rtol})")
 
 
+def _pe_on_the_one_gpu(ctx) -> SimpleNamespace:
+    """The rank context of an NVSHMEM PE on cuda:0, from `run_ranks`' gloo rank (several PEs share
+    the one GPU: correct, not fast)."""
+    torch.cuda.set_device(0)
+    return SimpleNamespace(
+        rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cuda", 0), backend=ctx.backend,
+        timeout_s=120.0, topology=None,
+    )  # fmt: skip
+
+
 def _rank_nvshmem_engine(
     ctx, model: str, prompts: list, max_tokens: int, kvs: tuple[str, ...], cuda_graphs: bool = False
 ) -> dict:
@@ -217,11 +227,7 @@ def _rank_nvshmem_engine(
     FFN sliced into one expert per rank. Each engine is closed (collective) before the next; the
     test gives each process one engine (NVSHMEM's init after a finalize is not promised here).
     Returns per KV format (rank 0's tokens, the logits of this rank's requests)."""
-    torch.cuda.set_device(0)
-    gctx = SimpleNamespace(
-        rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cuda", 0), backend=ctx.backend,
-        timeout_s=120.0, topology=None,
-    )  # fmt: skip
+    gctx = _pe_on_the_one_gpu(ctx)
     got = {}
     for kv in kvs:
         config = EngineConfig(
@@ -321,6 +327,40 @@ def test_gpu_engine_over_two_nvshmem_ranks_replays_graphs() -> None:
             )
         eager, graphs = ((r[0][kv][0], {**r[0][kv][1], **r[1][kv][1]}) for r in runs)
         _agree_to_a_near_tie(f"2 NVSHMEM ranks, graphs vs eager, {kv}", graphs, eager, 0.01)
+
+
+def _rank_nvshmem_wire(ctx, wire: str, prompts: list) -> tuple:
+    """One NVSHMEM rank of tiny-moe-wide (its own 4 of 8 experts, bf16 weights and KV) sending
+    `wire` rows, decoding in CUDA graphs: (rank 0's tokens, this rank's requests' logits)."""
+    gctx = _pe_on_the_one_gpu(ctx)
+    config = EngineConfig(kv_format="bf16", num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4),
+                          cuda_graphs=True)  # fmt: skip
+    engine = build_engine("random:tiny-moe-wide", gctx, config, dtype="bf16", ep_backend="nvshmem", ep_wire=wire)
+    with engine:
+        assert engine.graphs is not None
+        assert [ep.layer.comm.layout.wire for ep in engine.model._make_ep.built] == [wire, wire]
+        logits = _tap_logits(engine)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    return [o.token_ids for o in outs], logits
+
+
+@pytest.mark.slow
+def test_gpu_engine_sends_fp8_rows_over_nvshmem() -> None:
+    """`--ep-wire fp8` over 2 NVSHMEM ranks, decode in CUDA graphs (the dispatch kernel's fp8 rows
+    captured): against the bf16 wire, to a near-tie within 0.1 of the largest |logit| (e4m3 rounds
+    each value sent by up to 1/16; on the CPU ranks the first logits moved by about 0.03)."""
+    from multirank import run_ranks
+
+    prompts = [list(range(1, 21)), [9, 10], [11, 12, 13]]
+    runs = {
+        wire: run_ranks(_rank_nvshmem_wire, 2, args=(wire, prompts), timeout_s=600, rank_timeout_s=240, device="cpu")
+        for wire in ("bf16", "fp8")
+    }
+    bf16, fp8 = ((r[0][0], {**r[0][1], **r[1][1]}) for r in (runs["bf16"], runs["fp8"]))
+    assert fp8[1].keys() == bf16[1].keys() and any(
+        not (a == b).all() for rid in bf16[1] for a, b in zip(fp8[1][rid], bf16[1][rid], strict=False)
+    ), "the fp8 wire's logits equal the bf16 wire's: were the rows sent as fp8?"
+    _agree_to_a_near_tie("2 NVSHMEM ranks, fp8 wire vs bf16 wire", fp8, bf16, 0.1)
 
 
 @pytest.mark.parametrize("kv", [FP2_SPEC, "default"])

@@ -186,47 +186,46 @@ WIRE_PROMPTS = [[3, 17, 99, 5, 42, 7, 11], [1, 2, 3], [9, 9, 120, 33], [4, 5, 6,
 
 
 def _engine_over_wires(ctx) -> dict:
-    """The engine's `ep_wire` as `build_model` takes it from `--ep-wire`: every MoE layer's layout
-    carries it, and greedy decoding over either wire (tiny-moe widened to hidden 128, fp8's scale
-    group) gives tokens (rank 0's results cover every rank's requests)."""
-    import dataclasses
-
+    """The engine's `ep_wire` as `build_engine` takes it from `--ep-wire`: every MoE layer's layout
+    carries it, and each request's first logits (after its prompt: the same inputs on both wires)
+    come back per wire (tiny-moe-wide: hidden 128, fp8's scale group)."""
     from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
-    from zerodram.runtime.engine.build import build_model
-    from zerodram.runtime.engine.engine import Engine
-    from zerodram.runtime.loading.checkpoint import RankModel
-    from zerodram.runtime.loading.placement import ExpertPlacement as ModelPlacement
-    from zerodram.runtime.loading.random_init import random_weights
-    from zerodram.runtime.model.named import named_config
+    from zerodram.runtime.engine.build import build_engine
 
     torch.set_num_threads(1)
-    cfg = dataclasses.replace(named_config("tiny-moe"), hidden_size=128)
-    placement = ModelPlacement.for_world(cfg.num_experts, ctx.world_size, None)
-    weights = random_weights(cfg, placement, ctx.rank, seed=11, dtype=torch.float32)
+    config = EngineConfig(kv_format="fp32", num_kv_pages=64, page_size=4, scheduler=SchedulerConfig(4, 16, 4))
     got = {}
     for wire in ("bf16", "fp8"):
-        model = build_model(RankModel(cfg, weights, placement, None, "wide"), ctx, ep_wire=wire)
-        layouts = [layer.ep.layer.comm.layout for layer in model.layers]
-        engine = Engine(model, EngineConfig(kv_format="fp32", num_kv_pages=64, page_size=4,
-                                            scheduler=SchedulerConfig(4, 16, 4)), ctx=ctx)  # fmt: skip
+        engine = build_engine("random:tiny-moe-wide", ctx, config, seed=11, ep_wire=wire)
+        layouts = [(ep.layer.comm.layout.wire, ep.layer.comm.layout.msg_bytes) for ep in engine.model._make_ep.built]
+        first: dict[int, torch.Tensor] = {}
+
+        def tap(ids: list[int], logits: torch.Tensor, first: dict = first) -> None:
+            for rid, row in zip(ids, logits, strict=True):
+                first.setdefault(rid, row.clone())
+
+        engine.on_logits = tap
         with engine:
-            outs = engine.generate(WIRE_PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
-        got[wire] = ([(lay.wire, lay.msg_bytes) for lay in layouts], [o.token_ids for o in outs])
+            outs = engine.generate(WIRE_PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+        got[wire] = (layouts, [len(o.token_ids) for o in outs], first)
     return got
 
 
 def test_the_engine_sends_the_wire_it_is_given() -> None:
-    """`--ep-wire fp8` reaches every layer (144 bytes a row of 128 channels against bf16's 256), and
-    its greedy tokens stay near the bf16 wire's: e4m3 rounds each value by up to 1/16, which may
-    flip a near-tie of this random model, so at least 3 in 4 agree (deterministic: fixed seeds)."""
+    """`--ep-wire fp8` reaches every layer (144 bytes a row of 128 channels against bf16's 256) and
+    serves; each request's first logits, computed on its own rank, stay within 0.1 of the largest
+    |logit| of the bf16 wire's (e4m3 rounds each value sent by up to 1/16; measured: about 0.03)
+    and differ from them (the rows did go through fp8)."""
     results = run_ranks(_engine_over_wires, 2, timeout_s=150, rank_timeout_s=60)
-    got = results[0]
-    assert got["bf16"][0] == [("bf16", 256)] * 2 and got["fp8"][0] == [("fp8", 144)] * 2
-    assert results[1]["fp8"][0] == got["fp8"][0]
-    bf16, fp8 = got["bf16"][1], got["fp8"][1]
-    assert all(len(t) == 6 for t in bf16 + fp8)
-    same = sum(a == b for x, y in zip(bf16, fp8, strict=True) for a, b in zip(x, y, strict=True))
-    assert same >= 0.75 * 6 * len(WIRE_PROMPTS), (bf16, fp8)
+    for got in results:
+        assert got["bf16"][0] == [("bf16", 256)] * 2 and got["fp8"][0] == [("fp8", 144)] * 2
+    assert results[0]["bf16"][1] == results[0]["fp8"][1] == [4] * len(WIRE_PROMPTS)  # rank 0 reports all
+    firsts = [(r["bf16"][2], r["fp8"][2]) for r in results]
+    assert sum(len(b) for b, _ in firsts) == len(WIRE_PROMPTS)  # each request's rank tapped it
+    for bf16, fp8 in firsts:
+        for rid, want in bf16.items():
+            err = float((fp8[rid] - want).abs().max())
+            assert 0 < err <= 0.1 * float(want.abs().max()), (rid, err, float(want.abs().max()))
 
 
 def test_a_wire_the_model_cannot_send_is_refused_by_name() -> None:

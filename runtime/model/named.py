@@ -9,6 +9,8 @@
                        its sigmoid/grouped router is approximated by softmax top-8, renormalised
     tiny-moe, tiny-qwen-moe, tiny-dense
                        small shapes for tests and CPU smoke runs
+    tiny-moe-wide      tiny-moe at hidden 128: the smallest that the fp8 EP wire's 128-channel
+                       scale groups divide (`--ep-wire fp8`)
     smollm2-135m       SmolLM2-135M's shapes, its FFN as one expert (the packaged model's form)
 
 Weights are created by `zerodram.runtime.loading.random_init` (each rank allocates only its own
@@ -101,6 +103,21 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+    ),
+    "tiny-moe-wide": ModelConfig(
+        arch="mixtral",
+        vocab_size=256,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
         intermediate_size=96,
         num_experts=8,
         num_experts_per_tok=2,
