@@ -4,7 +4,8 @@ The worker builds the rank context (torchrun's environment + the topology named 
 ZERODRAM_TOPOLOGY), runs one job from `JOBS`, and always tears the context down. A job is
 `fn(ctx: RankContext, argv: list[str]) -> int`: a thin entry point over `zerodram.runtime` (fat
 library); jobs that show the dashboard (serve, demo) live in launch/, next to their commands,
-because the runtime never imports the launch side. Only rank 0 prints unless a job says otherwise.
+because the runtime never imports the launch side. Only rank 0 prints unless a job says otherwise;
+every rank that fails prints its own error, with its rank.
 """
 
 from __future__ import annotations
@@ -61,8 +62,18 @@ def main() -> int:
     try:
         return run_job(sys.argv[1], sys.argv[2:])
     except ZerodramError as err:
-        print(f"zerodram worker: error: {err}", file=sys.stderr)
+        # every rank that fails says so, and which rank it is: ranks may fail for different reasons
+        # (their own shard, GPU or peer), and torchrun's summary names only the first to exit
+        print(f"zerodram worker ({_which_rank()}): error: {err}", file=sys.stderr)
         return err.exit_code
+
+
+def _which_rank() -> str:
+    """"rank R of W" from torchrun's environment, read raw: the error may be that it is malformed."""
+    import os
+
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    return f"rank {rank} of {world}"
 
 
 if __name__ == "__main__":

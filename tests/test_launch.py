@@ -143,3 +143,5 @@ def test_real_torchrun_world_mismatch_fails_fast() -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "has 4 ranks, torchrun started 2" in proc.stdout + proc.stderr
+    for rank in (0, 1):  # each rank's error names the rank
+        assert f"zerodram worker (rank {rank} of 2): error:" in proc.stderr
