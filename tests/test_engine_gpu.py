@@ -86,8 +86,13 @@ def test_gpu_fused_fp2_decode_against_gather_on_smollm2() -> None:
     assert _compare("smollm2 fp2 fused vs gather (cuda)", fused, gather) >= 0.8
 
 
-def test_gpu_fused_fp2_decode_per_layer_on_random_caches() -> None:
-    """One random partition on the GPU: kernels vs gather + SDPA, every layer, rel. error < 3e-3."""
+@pytest.mark.parametrize("odd_keys", [False, True])
+def test_gpu_fused_fp2_decode_per_layer_on_random_caches(odd_keys: bool) -> None:
+    """One random partition on the GPU: kernels vs gather + SDPA, every layer, rel. error < 3e-3.
+    odd_keys: layer 1's key codebook off the int8 kernel's grid (as a calibration could make it),
+    which takes every layer to the fp16-key kernel."""
+    import dataclasses
+
     from zerodram.runtime.engine.fp2_decode import make_decode_attention
     from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
     from zerodram.runtime.model.attention import PagedAttention
@@ -95,6 +100,10 @@ def test_gpu_fused_fp2_decode_per_layer_on_random_caches() -> None:
     dev, Hq, Hkv, D = torch.device("cuda"), 12, 4, 128
     g = torch.Generator(device=dev).manual_seed(3)
     kv = RuntimeKVPartition(FP2_SPEC, 2, Hkv, D, 64, 32, torch.float32, dev)
+    if odd_keys:  # e5m2-exact, but 1/128 is not on the int8 table's 1/64 grid
+        kp, vp = kv.caches[1].params
+        odd = torch.tensor([-1.5, -1 / 128, 1 / 128, 1.5], dtype=kp.levels.dtype, device=kp.levels.device)
+        kv.caches[1].params = (dataclasses.replace(kp, levels=odd), vp)
     lengths = [1, 9, 40, 300, 700]
     for sid, n in enumerate(lengths):
         kv.reserve(sid, n)
@@ -102,7 +111,7 @@ def test_gpu_fused_fp2_decode_per_layer_on_random_caches() -> None:
             kv.write(layer, sid, 0, torch.randn(n, Hkv, D, device=dev, generator=g) * 2,
                      torch.randn(n, Hkv, D, device=dev, generator=g))  # fmt: skip
     fused = make_decode_attention(kv, num_q_heads=Hq, scale=D**-0.5, max_batch=8)
-    assert isinstance(fused, Fp2FusedDecode)
+    assert isinstance(fused, Fp2FusedDecode) and fused.attn.key_s8 == (not odd_keys)
     gather = PagedAttention(kv, D**-0.5)
     ids = tuple(range(len(lengths)))
     for layer in range(2):
