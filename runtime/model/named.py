@@ -19,8 +19,26 @@ experts), so a 700B config can be built on one GPU when the expert shard fits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.model.config import ModelConfig
+
+_TINY_MOE = ModelConfig(
+    arch="mixtral",
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+)
 
 NAMED_CONFIGS: dict[str, ModelConfig] = {
     "seed-700b": ModelConfig(
@@ -95,36 +113,9 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=10000.0,
         max_position_embeddings=163840,
     ),
-    "tiny-moe": ModelConfig(
-        arch="mixtral",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=96,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-    ),
-    "tiny-moe-wide": ModelConfig(
-        arch="mixtral",
-        vocab_size=256,
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=96,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-    ),
+    "tiny-moe": _TINY_MOE,
+    # hidden 128: the smallest that the fp8 EP wire's 128-channel scale groups divide
+    "tiny-moe-wide": replace(_TINY_MOE, hidden_size=128, head_dim=32),
     "tiny-qwen-moe": ModelConfig(
         arch="qwen2_moe",
         vocab_size=256,
