@@ -235,6 +235,22 @@ def test_kv_options_default_to_the_topology_and_override_it() -> None:
         p.parse_args(["--kv", "fp3"])
 
 
+def test_the_ep_wire_defaults_to_the_topology_and_overrides_it() -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from zerodram.runtime.engine.jobs import add_engine_args, ep_wire
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    fp8 = SimpleNamespace(experts=SimpleNamespace(wire="fp8"))
+    assert ep_wire(p.parse_args([])) == "bf16"  # no topology
+    assert ep_wire(p.parse_args([]), fp8) == "fp8"
+    assert ep_wire(p.parse_args(["--ep-wire", "bf16"]), fp8) == "bf16"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--ep-wire", "fp4"])
+
+
 def test_graph_options_map_to_the_engine_config() -> None:
     import argparse
 

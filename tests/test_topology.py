@@ -133,6 +133,7 @@ def test_local_cpu_4() -> None:
     assert topo.experts.local_experts(1) == tuple(range(8, 16))
     assert topo.experts.owners(9) == (1,)
     assert (topo.kv.policy, topo.kv.format, topo.kv.page_size) == ("owner", DEFAULT_FP2, 32)
+    assert topo.experts.wire == "bf16"
     assert topo.link_class(0, 1) == "SHM"
     assert topo.link_bandwidth_gbps(0, 3) == 80
 
@@ -252,15 +253,20 @@ def test_explicit_ring(tmp_path: Path) -> None:
     assert topo.ring.peers(2) == (2, 1, 0, 3)
 
 
-def test_rendezvous_and_kv_overrides(tmp_path: Path) -> None:
+def test_rendezvous_kv_and_wire_overrides(tmp_path: Path) -> None:
+    from zerodram.runtime.comm.layout import WIRE_FORMATS
+    from zerodram.runtime.topology.placement import EP_WIRES
+
     text = CPU_HEAD + (
-        "experts: {num_experts: 4}\n"
+        "experts: {num_experts: 4, wire: fp8}\n"
         "rendezvous: {master_addr: 10.0.0.9, master_port: 31000}\n"
         "kv: {format: bf16, page_size: 64}\n"
     )
     topo = load_topology(_write(tmp_path, text))
     assert (topo.master_addr, topo.master_port) == ("10.0.0.9", 31000)
     assert (topo.kv.policy, topo.kv.format, topo.kv.page_size) == ("owner", "bf16", 64)
+    assert topo.experts.wire == "fp8" and topo.summary().endswith(", EP wire fp8")
+    assert EP_WIRES == WIRE_FORMATS  # the topology's list, kept free of torch, is the comm layer's
 
 
 def test_default_master_addr_is_first_host(tmp_path: Path) -> None:

@@ -99,6 +99,8 @@ CASES = [
     ("bad-choice", CPU + EXPERTS + "kv: {format: fp3}\n", "9:14", "kv.format",
      "'fp3': expected one of fp2, fp8, bf16, fp16, fp32 or fp2:OPTIONS; did you mean"),
     ("bad-fp2-option", CPU + EXPERTS + 'kv: {format: "fp2:nope=1"}\n', "9:14", "kv.format", "nope"),
+    ("bad-wire", CPU + "experts: {num_experts: 4, wire: fp4}\n", "8:33", "experts.wire",
+     "expected one of bf16, fp8, got 'fp4'"),
     # -- unknown and misspelled keys --------------------------------------------------------
     ("unknown-top-key", CPU + EXPERTS + "foo: 1\n", "9:1", "foo", "unknown key 'foo' (known keys: cluster,"),
     ("misspelled-key", CPU + "experts: {num_expert: 4}\n", "8:11", "experts.num_expert",

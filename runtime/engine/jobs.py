@@ -32,6 +32,7 @@ from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.format import ENGINE_KV_FORMATS, check_engine_kv_format
+from zerodram.runtime.topology.placement import EP_WIRES
 from zerodram.runtime.topology.schema import KvSpec
 
 
@@ -76,11 +77,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-backend", default=None, help="auto | torch | nvshmem | allgather")
     p.add_argument(
         "--ep-wire",
-        choices=("bf16", "fp8"),
-        default="bf16",
+        choices=EP_WIRES,
+        default=None,
         help="how the dispatch sends a token's row to its experts' ranks: bf16, or fp8 (e4m3 values and "
         "one scale per 128 channels: about half the bytes; needs hidden %% 128 == 0). The combine "
-        "returns the model's rows either way; one rank sends nothing",
+        "returns the model's rows either way; one rank sends nothing (default the topology's "
+        "experts.wire, else bf16)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -118,6 +120,13 @@ def engine_config(args: argparse.Namespace, topology: Any = None) -> EngineConfi
     )
 
 
+def ep_wire(args: argparse.Namespace, topology: Any = None) -> str:
+    """The dispatch's wire: `--ep-wire`, else the topology's `experts.wire`, else bf16."""
+    if args.ep_wire is not None:
+        return args.ep_wire
+    return topology.experts.wire if topology is not None else "bf16"
+
+
 def convert_once_per_node(model: str, ctx: Any) -> None:
     """A GGUF model (the packaged one too) is converted to a cached HF-style dir by one rank per
     node while the others wait: converting dequantizes the whole file, which every rank doing at
@@ -149,7 +158,7 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
     def build(config: EngineConfig) -> Any:
         return build_engine(
             args.model, ctx, config, dtype=args.dtype, num_experts=args.experts, ep_backend=args.ep_backend,
-            ep_wire=args.ep_wire, **kw
+            ep_wire=ep_wire(args, getattr(ctx, "topology", None)), **kw
         )
 
     try:

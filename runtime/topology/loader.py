@@ -17,7 +17,7 @@ from yaml.nodes import Node, ScalarNode
 
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.topology.checks import NVLINK_KINDS, check_cluster
-from zerodram.runtime.topology.placement import PLACEMENTS, ExpertLayout, build_layout
+from zerodram.runtime.topology.placement import EP_WIRES, PLACEMENTS, ExpertLayout, build_layout
 from zerodram.runtime.topology.reader import Entry, Reader, join
 from zerodram.runtime.topology.ring import RING_ORDERS, RingSchedule, derive_ring
 from zerodram.runtime.topology.schema import (
@@ -242,7 +242,7 @@ def _gpu(r: Reader, node: Node, f: str, default_domain: str | None) -> GpuSpec:
 def _experts(r: Reader, node: Node, world: int) -> ExpertLayout:
     f = "experts"
     sec = r.mapping(
-        node, f, ("num_experts", "placement", "allow_uneven", "map", "replicas"), ("num_experts",)
+        node, f, ("num_experts", "placement", "allow_uneven", "map", "replicas", "wire"), ("num_experts",)
     )
     num_experts = r.int_(sec["num_experts"].value, join(f, "num_experts"), minimum=1)
     placement = "contiguous"
@@ -271,8 +271,15 @@ def _experts(r: Reader, node: Node, world: int) -> ExpertLayout:
                 "'allow_uneven' is only read with placement contiguous or round_robin",
             )
         allow_uneven = r.bool_(sec["allow_uneven"].value, join(f, "allow_uneven"))
+    wire = r.str_(sec["wire"].value, join(f, "wire"), choices=EP_WIRES) if "wire" in sec else "bf16"
     return build_layout(
-        num_experts, world, placement, allow_uneven=allow_uneven, explicit_map=explicit_map, replicas=replicas
+        num_experts,
+        world,
+        placement,
+        allow_uneven=allow_uneven,
+        explicit_map=explicit_map,
+        replicas=replicas,
+        wire=wire,
     )
 
 

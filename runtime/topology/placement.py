@@ -10,7 +10,8 @@ contiguous and round_robin need E % W == 0 (equal expert counts keep the per-ran
 and the compute equal); ``allow_uneven: true`` accepts a remainder: the first E % W ranks then host
 one extra expert (contiguous) or the low experts wrap (round_robin). Replicas
 (``experts.replicas``: expert -> extra ranks) are redundant copies for hot experts; the primary
-comes first in `owners`.
+comes first in `owners`. ``experts.wire`` is how a token's row travels to them: the engine's
+``--ep-wire`` default.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from zerodram.runtime.errors import ConfigError
 
 PLACEMENTS = ("contiguous", "round_robin", "explicit")
+EP_WIRES = ("bf16", "fp8")  # runtime/comm's WIRE_FORMATS (a test holds them equal; no torch here)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class ExpertLayout:
         placement: the policy name it was built from.
         expert_to_rank: primary owner per expert, ``[E]``.
         replicas: extra hosting ranks per expert, ``[E][*]`` (mostly empty).
+        wire: the dispatch's row format, one of EP_WIRES (`EpLayout`; the engine's `--ep-wire`
+            default).
     """
 
     num_experts: int
@@ -40,6 +44,7 @@ class ExpertLayout:
     placement: str
     expert_to_rank: tuple[int, ...]
     replicas: tuple[tuple[int, ...], ...]
+    wire: str = "bf16"
     _local: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,7 @@ def build_layout(
     allow_uneven: bool = False,
     explicit_map: Mapping[int, Sequence[int]] | None = None,
     replicas: Mapping[int, Sequence[int]] | None = None,
+    wire: str = "bf16",
 ) -> ExpertLayout:
     """Place `num_experts` experts on `world_size` ranks.
 
@@ -91,6 +97,7 @@ def build_layout(
         allow_uneven: accept num_experts % world_size != 0 for contiguous / round_robin.
         explicit_map: rank -> its experts; required for (and only read by) "explicit".
         replicas: expert -> extra ranks holding a copy.
+        wire: the dispatch's row format (EP_WIRES).
 
     Raises:
         ConfigError: with `field` set (``experts.map[3][1]`` ...) for a rank or expert that does
@@ -98,6 +105,8 @@ def build_layout(
     """
     if num_experts < 1:
         raise ConfigError(f"expected at least 1 expert, got {num_experts}", field="experts.num_experts")
+    if wire not in EP_WIRES:
+        raise ConfigError(f"expected one of {', '.join(EP_WIRES)}, got '{wire}'", field="experts.wire")
     if placement not in PLACEMENTS:
         raise ConfigError(
             f"expected one of {', '.join(PLACEMENTS)}, got '{placement}'", field="experts.placement"
@@ -123,7 +132,7 @@ def build_layout(
         else:
             primary = tuple(e % world_size for e in range(num_experts))
     extra = _replicas(num_experts, world_size, primary, replicas or {})
-    return ExpertLayout(num_experts, world_size, placement, primary, extra)
+    return ExpertLayout(num_experts, world_size, placement, primary, extra, wire)
 
 
 def _contiguous(num_experts: int, world_size: int) -> tuple[int, ...]:

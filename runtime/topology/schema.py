@@ -286,4 +286,5 @@ class Topology:
             f"{ranks}, {nodes}, {self.device_kind}{share}, "
             f"{fabric}, {self.experts.num_experts} experts {self.experts.placement}{reps}, "
             f"ring {self.ring.order}, kv {self.kv.format}/{self.kv.page_size}"
+            + (f", EP wire {self.experts.wire}" if self.experts.wire != "bf16" else "")
         )
