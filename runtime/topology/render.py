@@ -76,7 +76,7 @@ def placement_title(topo: Topology) -> Text:
     title = f"experts: {layout.num_experts}, {layout.placement}"
     if layout.num_replicas:
         title += f", {layout.num_replicas} replicas (*)"
-    return _t(title, "bold")
+    return _t(title + f", wire {layout.wire}", "bold")
 
 
 def placement_table(topo: Topology) -> Table:
