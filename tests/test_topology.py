@@ -100,6 +100,7 @@ def test_topo_show_by_packaged_name(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "nic mlx5_7: 400 Gb/s, rail 7" in out
     assert "rank 15 (local 7)" in out
+    assert "experts: 256, contiguous, wire bf16" in out
 
 
 # -- resolving names -------------------------------------------------------------------------
