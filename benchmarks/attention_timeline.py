@@ -18,6 +18,11 @@ times set against where they ran: beside a bf16 CTA or not, the spread inside on
 SMs, by how many split CTAs the SM held (one: the split CTAs alone on their SM), and the short
 splits (the rows' last, holding the remainder); the JSON line has them as `by_sm_us` and
 `split_ctas_held`. `--raw` keeps every CTA's stamps; `--from-raw FILE` prints both summaries from such a file, without a GPU.
+
+`--warm-code`: after the flush, one call of the same kernel on one sequence of two of the layer's
+pages, so that the timed call finds the kernel's code in L2 while its pages stay in DRAM. Set
+against a run without it, the prologue's difference is what fetching the code from DRAM costs (the
+flush evicts it too).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
     p.add_argument("--from-raw", metavar="PATH", help="summarize a --raw file's cases instead (no GPU needed)")
+    p.add_argument("--warm-code", action="store_true", help="fetch the kernel's code into L2 after the flush")
 
 
 def _spread(values: list[float], *, upper: bool) -> tuple[float, float, float]:
@@ -173,7 +179,7 @@ def _print_case(title: str, stamps: list[list[int]], splits: int) -> tuple[dict,
     return marks, placed, held, in_order
 
 
-def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
+def _case(B: int, L: int, flush, warm_code: bool = False) -> tuple[list[list[int]], int]:
     import torch
 
     from zerodram.runtime.attention import (
@@ -191,11 +197,15 @@ def _case(B: int, L: int, flush) -> tuple[list[list[int]], int]:
         num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=P, max_batch=B, max_fp2_tokens=L,
         device="cuda", v_layout="quad", timeline=True,
     )  # fmt: skip
+    # --warm-code's call: one sequence over two of the layer's pages (its code, not the case's data)
+    small = random_decode_batch([2 * P], [HP], pages, HKV, P, D, hp_max=HP, device="cuda", generator=gen)
     for _ in range(3):
         att(q, layer, batch, max_len=L)
     assert att.timeline is not None
-    att.timeline.zero_()
     flush.sum()
+    if warm_code:
+        att(q[:1], layer, small, max_len=2 * P)
+    att.timeline.zero_()  # after the warm call: its stamps would land in the same rows
     att(q, layer, batch, max_len=L)
     torch.cuda.synchronize()
     splits = att.plan(B, L)[0]
@@ -221,13 +231,15 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name()
     for B in (int(x) for x in args.batches.split(",")):
         for L in (int(x) for x in args.lengths.split(",")):
-            stamps, splits = _case(B, L, flush)
+            stamps, splits = _case(B, L, flush, args.warm_code)
             if args.raw:
                 with open(args.raw, "a") as f:  # rows as summarize() reads them
                     f.write(json.dumps({"B": B, "L": L, "splits": splits, "stamps": stamps}) + "\n")
-            marks, placed, held, in_order = _print_case(f"{name}, B = {B}, L = {L}", stamps, splits)
+            title = f"{name}, B = {B}, L = {L}" + (", code warm" if args.warm_code else "")
+            marks, placed, held, in_order = _print_case(title, stamps, splits)
             if args.json:
-                print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits, "marks_us": marks,
+                print(json.dumps({"bench": "attention_timeline", "device": name, "B": B, "L": L, "splits": splits,
+                                  "warm_code": args.warm_code, "marks_us": marks,
                                   "by_sm_us": {k: None if math.isnan(v[1]) else v for k, v in placed.items()},
                                   "split_ctas_held": held, "sms_later_longer": in_order}))  # fmt: skip
     return 0
