@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.topology.placement import EP_WIRES
 
 if TYPE_CHECKING:
     pass
 
-WIRE_FORMATS = ("bf16", "fp8")
+WIRE_FORMATS = EP_WIRES  # one list: a topology's experts.wire takes the same formats
 FP8_GROUP = 128  # channels per FP8 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from zerodram.runtime.errors import ConfigError
 
 PLACEMENTS = ("contiguous", "round_robin", "explicit")
-EP_WIRES = ("bf16", "fp8")  # runtime/comm's WIRE_FORMATS (a test holds them equal; no torch here)
+EP_WIRES = ("bf16", "fp8")  # the dispatch's row formats (runtime/comm's WIRE_FORMATS is this list)
 
 
 @dataclass(frozen=True)
