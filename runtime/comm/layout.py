@@ -24,15 +24,12 @@ them in `kernels/cuda/moe_layout.cuh`:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.topology.placement import EP_WIRES
-
-if TYPE_CHECKING:
-    pass
 
 WIRE_FORMATS = EP_WIRES  # one list: a topology's experts.wire takes the same formats
 FP8_GROUP = 128  # channels per FP8 scale
