@@ -222,10 +222,13 @@ def test_the_engine_sends_the_wire_it_is_given() -> None:
     assert results[0]["bf16"][1] == results[0]["fp8"][1] == [4] * len(WIRE_PROMPTS)  # rank 0 reports all
     firsts = [(r["bf16"][2], r["fp8"][2]) for r in results]
     assert sum(len(b) for b, _ in firsts) == len(WIRE_PROMPTS)  # each request's rank tapped it
+    moved = []
     for bf16, fp8 in firsts:
         for rid, want in bf16.items():
             err = float((fp8[rid] - want).abs().max())
             assert 0 < err <= 0.1 * float(want.abs().max()), (rid, err, float(want.abs().max()))
+            moved.append(err / float(want.abs().max()))
+    print(f"fp8 wire: first logits moved by {min(moved):.3f}-{max(moved):.3f} of the largest |logit|")
 
 
 def test_a_wire_the_model_cannot_send_is_refused_by_name() -> None:
