@@ -13,7 +13,7 @@ import sys
 
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.runtime.context import one_process_context
-    from zerodram.runtime.engine.jobs import build_from_args
+    from zerodram.runtime.engine.jobs import TextDeltas, build_from_args
     from zerodram.runtime.engine.request import SamplingParams
 
     engine = build_from_args(args, one_process_context(args.device))
@@ -23,9 +23,17 @@ def _cmd(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     stream = len(prompts) == 1 and engine.tokenizer is not None
 
+    # Text as it comes, a character whose bytes span tokens once all have arrived (TextDeltas);
+    # a stop token's text is not printed.
+    deltas = TextDeltas(engine.tokenizer.decode) if stream else None
+    ids: list[int] = []
+    printed: list[str] = []
+
     def on_event(ev) -> None:
-        if stream and ev.token_id is not None and ev.finish_reason != "stop":
-            sys.stdout.write(engine.tokenizer.decode([ev.token_id]))
+        if deltas is not None and ev.token_id is not None and ev.finish_reason != "stop":
+            ids.append(ev.token_id)
+            printed.append(deltas.delta(ev.request_id, ids))
+            sys.stdout.write(printed[-1])
             sys.stdout.flush()
 
     outs = engine.generate(prompts, params, chat=not args.raw, on_event=on_event)
@@ -33,8 +41,8 @@ def _cmd(args: argparse.Namespace) -> int:
         if out.error is not None:
             print(f"error: {out.error}", file=sys.stderr)
             continue
-        if stream:
-            print()
+        if stream:  # what TextDeltas still held back (an incomplete last character)
+            print(engine.tokenizer.decode(ids)[len("".join(printed)) :])
         else:
             print(f"> {prompt}\n{out.text if out.text is not None else out.token_ids}\n")
         print(

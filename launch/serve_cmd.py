@@ -37,14 +37,15 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
             with observe(ctx, engine, args):
                 serve_lines(engine, None, None)
             return 0
-        fin = sys.stdin if args.input == "-" else open(args.input)  # noqa: SIM115 (closed below)
+        # bytes: LineSource decodes each line, so one that is not UTF-8 is refused on its own
+        fin = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")  # noqa: SIM115 (closed below)
         fout = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
         console = Console(stderr=True) if fout is sys.stdout else None
         try:
             with observe(ctx, engine, args, console=console):
                 serve_lines(engine, fin, fout, stream=args.stream)
         finally:
-            if fin is not sys.stdin:
+            if fin is not sys.stdin.buffer:
                 fin.close()
             if fout is not sys.stdout:
                 fout.close()

@@ -103,3 +103,28 @@ def test_gpu_nonfinite_kv_on_the_fused_fp2_path(where: str, graphs: bool) -> Non
         total += params.max_tokens
     assert same / total >= 0.75
     assert e.kv.num_free_pages() == e.kv.num_pages
+
+
+def test_scoring_stops_on_nonfinite_kv_and_leaves_no_record() -> None:
+    """`score_tokens` over K/V gone NaN raises rather than scoring zeros, and the record does not
+    outlive it (a later request of the same id would be ended by it)."""
+    from zerodram.runtime.engine.score import score_tokens
+    from zerodram.runtime.errors import ZerodramError
+
+    engine = _engine("fp32")
+    kv = engine.kv
+
+    def write(layer_idx, seq_id, start_pos, k, v, _orig=kv.write):
+        if layer_idx == LAYER and start_pos == 4:
+            k = k.clone()
+            k[0, 0, 1] = float("nan")
+        return _orig(layer_idx, seq_id, start_pos, k, v)
+
+    kv.write = write
+    with pytest.raises(ZerodramError, match=f"scoring stopped at tokens 4..7: non-finite K/V at layer {LAYER}"):
+        score_tokens(engine, PROMPTS[0], chunk=4)
+    kv.write = write.__defaults__[0]
+    assert engine.kv.take_nonfinite() == {}
+    assert engine.kv.num_free_pages() == engine.kv.num_pages
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length", out.error

@@ -264,3 +264,62 @@ def test_graph_options_map_to_the_engine_config() -> None:
     assert engine_config(p.parse_args([])).defer_write == "auto"
     assert engine_config(p.parse_args(["--defer-write", "on"])).defer_write is True
     assert engine_config(p.parse_args(["--defer-write", "off"])).defer_write is False
+
+
+def test_a_line_that_is_not_utf8_is_refused_alone_and_token_ids_must_be_integers(tmp_path) -> None:
+    from zerodram.runtime.engine.jobs import serve_lines
+
+    ok = {"prompt_ids": [5, 6], "params": {"max_tokens": 2, "ignore_eos": True}}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(
+        b"\n".join(
+            [
+                json.dumps(ok | {"id": "first"}).encode(),
+                b'{"prompt_ids": [5], "id": "caf\xe9"}',  # a Latin-1 byte: not UTF-8
+                json.dumps({"prompt_ids": "hello", "id": "str"}).encode(),
+                json.dumps({"prompt_ids": [True, False], "id": "bools"}).encode(),
+                json.dumps({"prompt_ids": [5.0, 6], "id": "floats"}).encode(),
+                json.dumps(ok | {"id": "last"}).encode(),
+            ]
+        )
+        + b"\n"
+    )
+    with inp.open("rb") as fin, out.open("w") as fout:  # as `zerodram serve` opens it
+        serve_lines(_engine(), fin, fout)
+    recs = {str(r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["first"]["finish_reason"] == recs["last"]["finish_reason"] == "length"
+    assert "not UTF-8: byte 0xe9 at byte 30" in recs["1"]["error"]
+    assert "must be a list" in recs["str"]["error"]
+    assert "item 0 is True (bool)" in recs["bools"]["error"]
+    assert "item 0 is 5.0 (float)" in recs["floats"]["error"]
+    np = pytest.importorskip("numpy")
+    out_np = _engine().generate([[np.int64(5), 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert out_np.finish_reason == "length", out_np.error
+
+
+def test_a_failing_input_stream_serves_what_was_read_then_says_so(tmp_path) -> None:
+    from zerodram.runtime.engine.jobs import serve_lines
+    from zerodram.runtime.errors import ZerodramError
+
+    def lines():
+        yield json.dumps({"prompt_ids": [5, 6], "params": {"max_tokens": 2, "ignore_eos": True}, "id": "a"})
+        raise OSError("the pipe broke")
+
+    out = tmp_path / "out.jsonl"
+    with out.open("w") as fout, pytest.raises(ZerodramError, match=r"after 1 request lines .*OSError: the pipe broke"):
+        serve_lines(_engine(), lines(), fout)
+    assert [json.loads(x)["finish_reason"] for x in out.read_text().splitlines()] == ["length"]
+
+
+def test_text_that_is_not_unicode_and_a_duplicate_id_are_refused() -> None:
+    engine = _engine()
+    chars = {"encode": staticmethod(lambda s: [ord(c) % 200 + 1 for c in s]), "decode": staticmethod(str)}
+    engine.tokenizer = type("Chars", (), chars)()  # a token per character
+    with pytest.raises(RequestError, match="not UTF-8 text: byte 0xe9 at character 3"):
+        engine.encode("caf\udce9")  # how Python carries the byte 0xe9 of a Latin-1 command line
+    outs = engine.generate(["caf\udce9", "cafe"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["error", "length"]
+    req = engine.validate(7, [5, 6], SamplingParams(max_tokens=2))
+    engine.add_request(req)
+    with pytest.raises(RequestError, match="request id 7 is already queued or running"):
+        engine.add_request(engine.validate(7, [8, 9], SamplingParams(max_tokens=2)))

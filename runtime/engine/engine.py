@@ -22,7 +22,14 @@ from zerodram.runtime.engine.config import EngineConfig, StepStats
 from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode, make_decode_attention
 from zerodram.runtime.engine.graphs import DecodeGraphs
 from zerodram.runtime.engine.kv import KVPartition, make_kv_partition
-from zerodram.runtime.engine.request import Request, RequestOutput, SamplingParams, TokenEvent, validate
+from zerodram.runtime.engine.request import (
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenEvent,
+    validate,
+)
 from zerodram.runtime.engine.sampler import make_generator, sample
 from zerodram.runtime.engine.scheduler import Scheduler
 from zerodram.runtime.errors import ConfigError
@@ -205,9 +212,18 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Token ids of a text prompt (a list of ids passes through). Raises `RequestError` for
+        text that is not Unicode (lone surrogates: how Python carries bytes that were not UTF-8,
+        from the command line say), `ConfigError` where there is no tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a text prompt needs a tokenizer; pass token ids or load one")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:
+                c = ord(prompt[err.start])  # U+DC80..U+DCFF: an undecodable byte, escaped
+                what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+                raise RequestError(f"the prompt is not UTF-8 text: {what} at character {err.start}") from None
             if chat:
                 return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
@@ -225,7 +241,10 @@ class Engine:
         )
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request on this rank."""
+        """Queue a validated request on this rank. Raises `RequestError` for an id this rank is
+        already serving (the two would share one KV reservation and generator)."""
+        if request.request_id in self._generators:
+            raise RequestError(f"request id {request.request_id} is already queued or running on this rank")
         self._generators[request.request_id] = make_generator(request.params, request.request_id, self.device)
         self.scheduler.add(request)
 
@@ -340,7 +359,7 @@ class Engine:
         for i, (p, sp) in enumerate(zip(prompts if self.rank == 0 else [], params, strict=False)):
             try:
                 items.append((i, self.encode(p, chat), sp))
-            except ConfigError as err:
+            except (ConfigError, RequestError) as err:
                 items.append((i, err, sp))
         yield from run_lockstep(self, ListSource(items))
 

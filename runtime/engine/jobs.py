@@ -30,7 +30,7 @@ from typing import Any
 from zerodram.runtime.engine.config import EngineConfig
 from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
-from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.format import ENGINE_KV_FORMATS, check_engine_kv_format
 from zerodram.runtime.topology.placement import EP_WIRES
 from zerodram.runtime.topology.schema import KvSpec
@@ -175,14 +175,21 @@ def build_from_args(args: argparse.Namespace, ctx: Any, **kw: Any) -> Any:
 
 
 class LineSource:
-    """Rank 0's JSON-lines request reader: a thread fills a queue; the step loop polls it."""
+    """Rank 0's JSON-lines request reader: a thread fills a queue; the step loop polls it.
+
+    `stream` yields lines as bytes (each decoded here, so that one line that is not UTF-8 gets an
+    error result and the rest are served) or as str. A read that fails ends the input: the
+    requests read before it are served, then `serve_lines` raises the failure (`error`).
+    """
 
     def __init__(self, engine: Any, stream: Any) -> None:
         self.engine = engine
         self._q: queue.Queue = queue.Queue()
         self._eof = threading.Event()
         self._next = 0
-        self.keys: dict[int, Any] = {}
+        self.keys: dict[int, Any] = {}  # request -> the id its result carries, until that result
+        self.error: Exception | None = None
+        self.lines_read = 0  # request lines queued by the reader thread
         self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True, name="serve-input")
         self._thread.start()
 
@@ -190,7 +197,10 @@ class LineSource:
         try:
             for line in stream:
                 if line.strip():
+                    self.lines_read += 1
                     self._q.put(line)
+        except Exception as err:  # any read failure: raised on the main thread, at the end
+            self.error = err
         finally:
             self._eof.set()
 
@@ -205,15 +215,22 @@ class LineSource:
             self._next += 1
             items.append(self._parse(rid, line))
 
-    def _parse(self, rid: int, line: str) -> tuple[int, Any, SamplingParams]:
+    def _parse(self, rid: int, line: str | bytes) -> tuple[int, Any, SamplingParams]:
         try:
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise RequestError(f"the line is not UTF-8: byte 0x{line[err.start]:02x} at byte {err.start}") from None
             d = json.loads(line)
             if not isinstance(d, dict):
                 raise RequestError("each line must be a JSON object")
             self.keys[rid] = d.get("id", rid)
             params = SamplingParams.from_dict(d.get("params", {}))
             if "prompt_ids" in d:
-                return rid, list(d["prompt_ids"]), params
+                if not isinstance(d["prompt_ids"], list):
+                    raise RequestError('"prompt_ids" must be a list of ints')
+                return rid, d["prompt_ids"], params
             if not isinstance(d.get("prompt"), str):
                 raise RequestError('a request needs "prompt" (string) or "prompt_ids" (list of ints)')
             return rid, self.engine.encode(d["prompt"], bool(d.get("chat", False))), params
@@ -280,7 +297,7 @@ def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> No
             deltas.forget(ev.request_id)
         ids = tokens.pop(ev.request_id, [])
         rec = {
-            "id": source.keys.get(ev.request_id, ev.request_id),
+            "id": source.keys.pop(ev.request_id, ev.request_id),
             "finish_reason": ev.finish_reason,
             "token_ids": ids,
             "rank": ev.rank,
@@ -291,3 +308,8 @@ def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> No
             rec["text"] = engine.tokenizer.decode(ids)
         fout.write(json.dumps(rec) + "\n")
         fout.flush()
+    if source.error is not None:
+        raise ZerodramError(
+            f"reading the requests failed after {source.lines_read} request lines (those were served): "
+            f"{type(source.error).__name__}: {source.error}"
+        ) from source.error

@@ -8,6 +8,7 @@ into a `RequestOutput` with `finish_reason == "error"` and a message, and the en
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,10 @@ class RequestError(ZerodramError):
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_integral(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_real(x: object) -> bool:
@@ -155,9 +160,14 @@ def validate(
     params.check()
     if not prompt_ids:
         raise RequestError("empty prompt")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    # an integer of any kind (numpy's too), never a bool (docs/engine.md) nor a float
+    kind = next(((i, t) for i, t in enumerate(prompt_ids) if not _is_integral(t)), None)
+    if kind is not None:
+        raise RequestError(f"prompt token ids must be integers; item {kind[0]} is {kind[1]!r} ({type(kind[1]).__name__})")
+    prompt_ids = [int(t) for t in prompt_ids]
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"prompt token id {bad[0]!r} outside the vocabulary (size {vocab_size})")
+        raise RequestError(f"prompt token id {bad[0]} outside the vocabulary (size {vocab_size})")
     total = len(prompt_ids) + params.max_tokens
     if total > max_model_len:
         raise RequestError(
@@ -169,4 +179,4 @@ def validate(
             f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} tokens "
             f"can never fit this rank's KV partition ({max_seq_tokens} tokens)"
         )
-    return Request(request_id, list(prompt_ids), params)
+    return Request(request_id, prompt_ids, params)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerodram.runtime.errors import ConfigError
+from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.model.batch import ForwardBatch, PrefillSegment
 
 
@@ -68,6 +68,7 @@ def score_tokens(
     Raises:
         ConfigError: a multi-rank engine, chunk < 1, fewer than 2 tokens.
         KVCapacityError: the partition cannot hold the text.
+        ZerodramError: the model's K/V went NaN/Inf (its rows were stored as zeros).
     """
     if engine.world_size != 1:
         raise ConfigError(f"score_tokens runs on a one-rank engine, this one has {engine.world_size}")
@@ -97,6 +98,10 @@ def score_tokens(
                 logits_rows=torch.arange(n, device=dev),
             )
             logits = engine.model.forward(batch, engine.attn).float()  # [n, V]
+            # K/V gone NaN/Inf was stored as zeros: a score over those would be quietly wrong
+            bad = engine.kv.take_nonfinite()
+            if bad:
+                raise ZerodramError(f"scoring stopped at tokens {start}..{start + n - 1}: {bad.get(seq_id, bad)}")
             nxt = torch.tensor(ids[start + 1 : start + n + 1], device=dev)  # the last chunk has one fewer
             lp = torch.log_softmax(logits[: nxt.numel()], -1)
             logp.append(lp.gather(1, nxt[:, None])[:, 0].cpu())
