@@ -23,8 +23,11 @@ def test_contiguous_placement_and_topology_override() -> None:
     assert p.expert_to_rank == (0, 0, 1, 1, 2, 2, 3, 3)
     assert p.local_experts(3) == (6, 7)
     assert ExpertPlacement.contiguous(2, 4).local_experts(1) == ()  # more ranks than experts
-    topo = type("T", (), {"experts": type("E", (), {"num_experts": 4, "expert_to_rank": (1, 0, 1, 0)})()})()
-    assert ExpertPlacement.for_world(4, 2, topo).local_experts(0) == (1, 3)
+    e2r, owners = (1, 0, 1, 0), ((1,), (0,), (1, 0), (0,))  # expert 2: a replica on rank 0
+    layout = {"num_experts": 4, "expert_to_rank": e2r, "owners": lambda self, e: owners[e]}
+    topo = type("T", (), {"experts": type("E", (), layout)()})()
+    assert ExpertPlacement.for_world(4, 2, topo).local_experts(0) == (1, 2, 3)
+    assert ExpertPlacement.for_world(4, 2, topo).local_experts(1) == (0, 2)
     assert ExpertPlacement.for_world(8, 2, topo).local_experts(0) == (0, 1, 2, 3)  # counts differ
     with pytest.raises(ConfigError, match="world size"):
         ExpertPlacement(2, 2, (0, 5))

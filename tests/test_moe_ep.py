@@ -245,3 +245,73 @@ def test_a_wire_the_model_cannot_send_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="wire format 'fp4'"):
         ExpertParallelWorld(ctx, hidden=128, wire="fp4", **kw)
     assert ExpertParallelWorld(ctx, hidden=128, wire="fp8", backend="torch", **kw).wire == "fp8"
+
+
+REPLICA_TOPOLOGY = """\
+cluster: replicas-2
+device: cpu
+fabric:
+  intra_node: {kind: shm, gbps: 80}
+nodes:
+  - name: localhost
+    cpu_ranks: 2
+experts:
+  num_experts: 8
+  placement: contiguous   # rank 0: experts 0-3, rank 1: 4-7
+"""
+
+
+def _engine_with_placement(ctx) -> dict:
+    """Each request's first logits and, per MoE layer, the experts this rank holds weights of and
+    the ranks each expert's tokens may go to (tiny-moe: 8 experts, as the topology places them)."""
+    from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
+    from zerodram.runtime.engine.build import build_engine
+
+    torch.set_num_threads(1)
+    config = EngineConfig(kv_format="fp32", num_kv_pages=64, page_size=4, scheduler=SchedulerConfig(4, 16, 4))
+    engine = build_engine("random:tiny-moe", ctx, config, seed=5, ep_backend="torch")
+    layers = [ep.layer for ep in engine.model._make_ep.built]
+    held = [tuple(int(e) for e in layer.experts.expert_ids) for layer in layers]
+    owners = [[layer.comm.layout.placement.owners(e) for e in range(8)] for layer in layers]
+    first: dict[int, torch.Tensor] = {}
+    engine.on_logits = lambda ids, logits: [first.setdefault(r, x.clone()) for r, x in zip(ids, logits, strict=True)]
+    with engine:
+        outs = engine.generate(WIRE_PROMPTS * 2, SamplingParams(max_tokens=3, ignore_eos=True))
+    return {"held": held, "owners": owners, "first": first, "lengths": [len(o.token_ids) for o in outs]}
+
+
+def test_the_engine_serves_a_topologys_replicas(tmp_path) -> None:
+    """A topology's `experts.replicas` reach the engine: the replica's rank holds the expert's
+    weights and the dispatch may send its tokens there. The logits match the same model without
+    replicas (an expert's weights are the same on every rank that holds it; rows cross ranks as
+    bf16 either way, so the two differ by rounding where a token's expert moved rank)."""
+    from zerodram.runtime.topology import load_topology
+
+    got = {}
+    for name, extra in (("plain", ""), ("replicas", "  replicas: {1: [1], 6: [0]}\n")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(REPLICA_TOPOLOGY + extra)
+        got[name] = run_ranks(_engine_with_placement, 2, topology=load_topology(path), timeout_s=150, rank_timeout_s=60)
+    plain, reps = got["plain"], got["replicas"]
+    assert [r["held"][0] for r in plain] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [r["held"][0] for r in reps] == [(0, 1, 2, 3, 6), (1, 4, 5, 6, 7)]
+    assert all(r["held"] == [r["held"][0]] * len(r["held"]) for r in reps)  # every MoE layer
+    assert reps[0]["owners"][0][1] == (0, 1) and reps[0]["owners"][0][6] == (6 // 4, 0)
+    assert plain[0]["lengths"] == reps[0]["lengths"] == [3] * 2 * len(WIRE_PROMPTS)
+    for p, r in zip(plain, reps, strict=True):
+        assert p["first"].keys() == r["first"].keys()
+        for rid, want in p["first"].items():
+            err = float((r["first"][rid] - want).abs().max())
+            assert err <= 0.05 * float(want.abs().max()), (rid, err)
+
+
+def test_replicas_through_the_allgather_stopgap_are_refused(tmp_path) -> None:
+    from zerodram.runtime.model.ep import ExpertParallelWorld
+    from zerodram.runtime.topology import load_topology
+
+    path = tmp_path / "replicas.yaml"
+    path.write_text(REPLICA_TOPOLOGY + "  replicas: {1: [1]}\n")
+    ctx = type("Ctx", (), {"rank": 0, "world_size": 2, "device": torch.device("cpu"), "topology": load_topology(path)})()
+    kw = dict(expert_to_rank=(0, 0, 0, 0, 1, 1, 1, 1), top_k=2, max_tokens_per_rank=4, num_moe_layers=2, hidden=64)
+    with pytest.raises(ConfigError, match=r"experts\.replicas need the dispatch"):
+        ExpertParallelWorld(ctx, backend="allgather", **kw)

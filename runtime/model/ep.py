@@ -171,17 +171,22 @@ def every_rank_hosts_an_expert(placement) -> bool:
 
 
 def _placement(ctx: object, rank: int, world_size: int, expert_to_rank: tuple[int, ...]):
-    """The comm layer's placement: the experts' ranks, and the topology's ring order when the
-    topology places this model's experts."""
+    """The comm layer's placement: the experts' ranks, and the topology's replicas and ring order
+    when the topology places this model's experts (as the weights were loaded:
+    `zerodram.runtime.loading.placement.ExpertPlacement.for_world`)."""
     from zerodram.runtime.comm import ExpertPlacement as CommPlacement
 
+    topo = _placing_topology(ctx, len(expert_to_rank))
+    if topo is None:
+        return CommPlacement(rank, world_size, tuple(expert_to_rank))
+    replicas = tuple(tuple(topo.experts.owners(e))[1:] for e in range(len(expert_to_rank)))
+    return CommPlacement(rank, world_size, tuple(expert_to_rank), replicas, tuple(topo.ring.peers(rank)))
+
+
+def _placing_topology(ctx: object, num_experts: int):
+    """The context's topology when it places `num_experts` experts (else None: contiguous blocks)."""
     topo = getattr(ctx, "topology", None)
-    ring = ()
-    if topo is not None and getattr(getattr(topo, "experts", None), "num_experts", None) == len(
-        expert_to_rank
-    ):
-        ring = tuple(topo.ring.peers(rank))
-    return CommPlacement(rank, world_size, tuple(expert_to_rank), ring_peers=ring)
+    return topo if getattr(getattr(topo, "experts", None), "num_experts", None) == num_experts else None
 
 
 class ExpertParallelWorld:
@@ -250,6 +255,13 @@ class ExpertParallelWorld:
             if wire != "bf16":
                 raise ConfigError(
                     f"EP wire {wire!r} needs runtime/moe's EP layer; the allgather stopgap gathers whole rows"
+                )
+            topo = _placing_topology(ctx, len(expert_to_rank or ()))
+            if topo is not None and topo.experts.num_replicas:
+                # every owner would run the expert over every token, and the sum count it twice
+                raise ConfigError(
+                    "the topology's experts.replicas need the dispatch (--ep-backend torch or nvshmem); "
+                    "the allgather stopgap computes each expert on every rank that holds it"
                 )
             return
         from zerodram.runtime.comm import EpLayout, resolve_backend
