@@ -266,6 +266,15 @@ def test_rendezvous_kv_and_wire_overrides(tmp_path: Path) -> None:
     assert topo.experts.wire == "fp8" and topo.summary().endswith(", EP wire fp8")
 
 
+def test_bounds_and_torch_pages_are_accepted(tmp_path: Path) -> None:
+    # The most experts a file may give; fp32 pages are plain torch pages of any size (the paged
+    # caches' multiple of 32 is theirs only).
+    text = CPU_HEAD + "experts: {num_experts: 65536}\nkv: {format: fp32, page_size: 1}\n"
+    topo = load_topology(_write(tmp_path, text))
+    assert topo.experts.num_experts == 65536 and len(topo.experts.local_experts(3)) == 16384
+    assert (topo.kv.format, topo.kv.page_size) == ("fp32", 1)
+
+
 def test_default_master_addr_is_first_host(tmp_path: Path) -> None:
     text = CPU_HEAD.replace("cpu_ranks: 4", "host: box-1\n    cpu_ranks: 4") + "experts: {num_experts: 4}\n"
     topo = load_topology(_write(tmp_path, text))

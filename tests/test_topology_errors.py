@@ -101,6 +101,41 @@ CASES = [
     ("bad-fp2-option", CPU + EXPERTS + 'kv: {format: "fp2:nope=1"}\n', "9:14", "kv.format", "nope"),
     ("bad-wire", CPU + "experts: {num_experts: 4, wire: fp4}\n", "8:33", "experts.wire",
      "expected one of bf16, fp8, got 'fp4'"),
+    # an explicit tag skips YAML's own pattern, so the text may not parse as the tag says
+    ("bool-tag-not-a-bool", CPU + "experts: {num_experts: 4, allow_uneven: !!bool maybe}\n", "8:41",
+     "experts.allow_uneven", "expected true or false, got 'maybe'"),
+    ("int-tag-empty", CPU + 'experts: {num_experts: !!int ""}\n', "8:24", "experts.num_experts",
+     "expected an integer, got ''"),
+    ("float-tag-empty", CPU.replace("gbps: 80", 'gbps: !!float ""') + EXPERTS, "4:33", "fabric.intra_node.gbps",
+     "expected a number, got ''"),
+    # -- bounds -----------------------------------------------------------------------------
+    ("infinite-bandwidth", CPU.replace("gbps: 80", "gbps: .inf") + EXPERTS, "4:33", "fabric.intra_node.gbps",
+     "expected a finite number, got '.inf'"),
+    ("nan-bandwidth", CPU.replace("gbps: 80", "gbps: .nan") + EXPERTS, "4:33", "fabric.intra_node.gbps",
+     "expected a finite number, got '.nan'"),
+    ("float-overflow-bandwidth", CPU.replace("gbps: 80", "gbps: 1.0e+400") + EXPERTS, "4:33",
+     "fabric.intra_node.gbps", "expected a finite number, got '1.0e+400'"),
+    ("int-overflow-bandwidth", CPU.replace("gbps: 80", "gbps: " + "9" * 400) + EXPERTS, "4:33",
+     "fabric.intra_node.gbps", "expected a finite number, got '99999999999999999999...'"),
+    ("too-many-experts", CPU + "experts: {num_experts: 4000000000}\n", "8:24", "experts.num_experts",
+     "expected 1 to 65536 experts, got 4000000000"),
+    ("too-many-ranks-on-a-node", CPU.replace("cpu_ranks: 4", "cpu_ranks: 100000000") + EXPERTS, "7:16",
+     "nodes[0].cpu_ranks", "node 'a' brings the world size to 100000000 ranks; at most 2048 are supported"),
+    ("too-many-ranks-in-all", CPU_2_NODES.replace("cpu_ranks: 4", "cpu_ranks: 1500") + "  - name: b\n"
+     "    cpu_ranks: 1500\n" + EXPERTS, "10:16", "nodes[1].cpu_ranks",
+     "node 'b' brings the world size to 3000 ranks; at most 2048 are supported"),
+    ("too-many-ranks-per-gpu", GPU_NODE.replace("cluster: t", "cluster: t\nranks_per_gpu: 1500")
+     % (NVSWITCH, "", TWO_GPUS), "8:11", "nodes[0].gpus",
+     "node 'a' brings the world size to 3000 ranks; at most 2048 are supported"),
+    # -- kv: what the engine's paged caches take (runtime/kv/format.py, check_paged_kv) -----
+    ("kv-page-not-multiple-of-32", CPU + EXPERTS + "kv: {format: fp2, page_size: 16}\n", "9:30", "kv.page_size",
+     "page size must be a positive multiple of 32, got 16"),
+    ("kv-tail-not-dividing-page", CPU + EXPERTS + 'kv: {format: "fp2:tail=64", page_size: 32}\n', "9:14",
+     "kv.format", "tail of 64 tokens must divide the page size 32"),
+    ("kv-outliers", CPU + EXPERTS + 'kv: {format: "fp2:out=0.1"}\n', "9:14", "kv.format",
+     "the paged FP2 cache does not support outliers or pre-RoPE (k)"),
+    ("kv-pre-rope", CPU + EXPERTS + 'kv: {format: "fp2:kprerope=1"}\n', "9:14", "kv.format",
+     "the paged FP2 cache does not support outliers or pre-RoPE (k)"),
     # -- unknown and misspelled keys --------------------------------------------------------
     ("unknown-top-key", CPU + EXPERTS + "foo: 1\n", "9:1", "foo", "unknown key 'foo' (known keys: cluster,"),
     ("misspelled-key", CPU + "experts: {num_expert: 4}\n", "8:11", "experts.num_expert",
@@ -241,11 +276,13 @@ def test_unreadable_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_check_reports_every_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = Path(__file__).resolve().parents[1] / "topologies" / "local-cpu-4.yaml"
-    bad_a, bad_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    bad_a, bad_b, bad_tag = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "tag.yaml"
     bad_a.write_text("")
     bad_b.write_text(CPU + "experts: {num_experts: 10}\n")
-    assert main(["topo", "check", str(bad_a), str(good), str(bad_b)]) == 2
+    bad_tag.write_text(CPU + "experts: {num_experts: 4, allow_uneven: !!bool maybe}\n")
+    assert main(["topo", "check", str(bad_a), str(bad_tag), str(good), str(bad_b)]) == 2
     captured = capsys.readouterr()
     assert f"ok: {good} (" in captured.out
     assert f"{bad_a}:1:1: " in captured.err and f"{bad_b}:8:24: " in captured.err
-    assert "2 of 3 topology files are invalid" in captured.err
+    assert f"{bad_tag}:8:41: " in captured.err
+    assert "3 of 4 topology files are invalid" in captured.err

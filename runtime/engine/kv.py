@@ -19,6 +19,7 @@ import torch
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import batch_page_index, zero_nonfinite, zero_nonfinite_rows
 from zerodram.runtime.kv.errors import KVCapacityError
+from zerodram.runtime.kv.format import TORCH_PAGED_FORMATS
 from zerodram.runtime.model.attention import KVStore
 
 
@@ -238,7 +239,7 @@ def make_kv_partition(
     """
     if kv_params is not None and not kv_format.startswith("fp2"):
         raise ConfigError(f"KV params were given for {kv_format!r}, which takes none (FP2 only)")
-    if kv_format in ("fp32", "fp16"):
+    if kv_format in TORCH_PAGED_FORMATS:
         return TorchPagedKV(
             num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
         )

@@ -17,6 +17,7 @@ from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.allocator import BlockTables, PageAllocator
 from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.format import check_paged_kv
 from zerodram.runtime.kv.quantize import check_finite
 
 
@@ -45,8 +46,7 @@ class KVCache(ABC):
         device: torch.device | str = "cpu",
         layer_idx: int = 0,
     ) -> None:
-        if page_size <= 0 or page_size % 32:
-            raise ConfigError(f"page size must be a positive multiple of 32, got {page_size}")
+        check_paged_kv(page_size)
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -211,7 +211,12 @@ class KVCache(ABC):
 
     def gather_batch(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The first lengths[i] tokens of each sequence, padded with zeros to L = max(lengths):
-        (K, V), each [B, L, H, D], in the pages' dtype (dense formats) or fp32 (dequantized)."""
+        (K, V), each [B, L, H, D], in the pages' dtype (dense formats) or fp32 (dequantized).
+
+        Raises:
+            KVInputError: an unknown sequence, or a length outside [0, its stored tokens].
+        """
+        self._check_gather(seq_ids, lengths)
         L = max(lengths, default=0)
         ks, vs = [], []
         for sid, n in zip(seq_ids, lengths, strict=True):
@@ -223,6 +228,13 @@ class KVCache(ABC):
             empty = torch.zeros(0, 0, self.num_kv_heads, self.head_dim, device=self.device)
             return empty, empty
         return torch.stack(ks), torch.stack(vs)
+
+    def _check_gather(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        # Past its stored tokens a batched gather would read pages the sequence does not hold
+        # (another sequence's, or the pad page 0 of `batch_page_index`) or return a short row.
+        for sid, n in zip(seq_ids, lengths, strict=True):
+            if not 0 <= n <= self.seq_len(sid):
+                raise KVInputError(f"gather of {n} tokens of sequence {sid}, which holds {self.seq_len(sid)}")
 
     @abstractmethod
     def bits_per_elem(self, ctx: int) -> float:

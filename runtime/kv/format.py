@@ -251,22 +251,53 @@ DEFAULT_PAGE_SIZE = 32
 
 # The engine's KV page formats by name (`--kv`, a topology's `kv.format`); FP2 also as fp2:OPTIONS.
 ENGINE_KV_FORMATS = ("fp2", "fp8", "bf16", "fp16", "fp32")
+# Those the engine keeps in plain torch pages of any size (runtime/engine/kv.py, `make_kv_partition`);
+# the others live in this package's paged caches, under `check_paged_kv`.
+TORCH_PAGED_FORMATS = ("fp16", "fp32")
 
 
-def check_engine_kv_format(text: str) -> str:
-    """`text` if the engine serves it: one of ENGINE_KV_FORMATS or an FP2 spec `fp2:key=value,...`.
+def check_engine_kv_format(text: str, page_size: int | None = None) -> str:
+    """`text` if the engine serves it: one of ENGINE_KV_FORMATS or an FP2 spec `fp2:key=value,...`;
+    with `page_size`, also in pages of that many tokens.
 
     Raises:
-        ConfigError: anything else (the message names the value and what was expected).
+        ConfigError: anything else (the message names the value and what was expected; a page
+            size the format cannot take has field "page_size", see `check_paged_kv`).
     """
-    if text in ENGINE_KV_FORMATS:
-        return text
-    if not text.startswith("fp2:"):
+    if text not in ENGINE_KV_FORMATS and not text.startswith("fp2:"):
         hint = difflib.get_close_matches(text, ENGINE_KV_FORMATS, n=1, cutoff=0.6)
         maybe = f"; did you mean '{hint[0]}'?" if hint else ""
         raise ConfigError(f"{text!r}: expected one of {', '.join(ENGINE_KV_FORMATS)} or fp2:OPTIONS{maybe}")
-    parse_kv_spec(text)
+    if text in TORCH_PAGED_FORMATS:
+        return text
+    spec = parse_kv_spec(text).spec
+    if page_size is not None:
+        check_paged_kv(page_size, spec if isinstance(spec, Fp2Spec) else None)
     return text
+
+
+def check_paged_kv(page_size: int, fp2: Fp2Spec | None = None) -> None:
+    """What the paged caches (cache.py: bf16, fp8 and FP2 pages) take beyond a valid spec. The
+    caches check it when built, and a topology's `kv` section when loaded, so both refuse alike.
+
+    Args:
+        page_size: tokens per page.
+        fp2: the format, for an FP2 cache.
+
+    Raises:
+        ConfigError: a page size not a positive multiple of 32 (field "page_size"); with `fp2`,
+            outliers or pre-RoPE keys (the paged FP2 cache stores neither), or a tail that does
+            not divide the page.
+    """
+    if page_size <= 0 or page_size % 32:
+        raise ConfigError(f"page size must be a positive multiple of 32, got {page_size}", field="page_size")
+    if fp2 is None:
+        return
+    for name, side in (("k", fp2.k), ("v", fp2.v)):
+        if side.outlier_frac > 0 or side.pre_rope:
+            raise ConfigError(f"the paged FP2 cache does not support outliers or pre-RoPE ({name})")
+    if page_size % fp2.tail_tokens:
+        raise ConfigError(f"tail of {fp2.tail_tokens} tokens must divide the page size {page_size}")
 
 
 def parse_kv_spec(text: str) -> ParsedKV:

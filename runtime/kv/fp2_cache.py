@@ -23,7 +23,7 @@ from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.cache import KVCache
 from zerodram.runtime.kv.decode_index import DecodeIndexMemo
 from zerodram.runtime.kv.feedback import block_mask
-from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, tail_rule
+from zerodram.runtime.kv.format import Fp2Spec, Fp2TensorSpec, bits_per_elem, check_paged_kv, tail_rule
 from zerodram.runtime.kv.fp2_decode_write import Fp2DecodeWrites
 from zerodram.runtime.kv.fp2_pages import SidePages, value_layout
 from zerodram.runtime.kv.params import layer_params
@@ -63,15 +63,12 @@ class Fp2KVCache(Fp2DecodeWrites, KVCache):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
+        check_paged_kv(self.page_size, spec)
         for name, side in (("k", spec.k), ("v", spec.v)):
-            if side.outlier_frac > 0 or side.pre_rope:
-                raise ConfigError(f"the paged FP2 cache does not support outliers or pre-RoPE ({name})")
             if side.block_axis == "channel" and self.head_dim % side.block_size:
                 raise ConfigError(
                     f"{name} channel blocks of {side.block_size} do not divide head dim {self.head_dim}"
                 )
-        if self.page_size % spec.tail_tokens:
-            raise ConfigError(f"tail of {spec.tail_tokens} tokens must divide the page size {self.page_size}")
         if self.head_dim % 16:
             raise ConfigError(f"head dim {self.head_dim} is not a multiple of 16 codes per word")
         self.spec = spec

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from zerodram.runtime.errors import ConfigError
 
 PLACEMENTS = ("contiguous", "round_robin", "explicit")
+# Placement tables are O(num_experts) tuples built on every rank; 65536 is 128x the largest MoE
+# layers today (256 to 512 routed experts) and keeps a typo (4000000000) from eating the memory.
+MAX_EXPERTS = 65536
 EP_WIRES = ("bf16", "fp8")  # the dispatch's row formats (runtime/comm's WIRE_FORMATS is this list)
 
 
@@ -100,11 +103,14 @@ def build_layout(
         wire: the dispatch's row format (EP_WIRES).
 
     Raises:
-        ConfigError: with `field` set (``experts.map[3][1]`` ...) for a rank or expert that does
-            not exist, an expert placed twice or not at all, an indivisible count, a bad replica.
+        ConfigError: with `field` set (``experts.map[3][1]`` ...) for a count outside
+            1..MAX_EXPERTS, a rank or expert that does not exist, an expert placed twice or not at
+            all, an indivisible count, a bad replica.
     """
-    if num_experts < 1:
-        raise ConfigError(f"expected at least 1 expert, got {num_experts}", field="experts.num_experts")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ConfigError(
+            f"expected 1 to {MAX_EXPERTS} experts, got {num_experts}", field="experts.num_experts"
+        )
     if wire not in EP_WIRES:
         raise ConfigError(f"expected one of {', '.join(EP_WIRES)}, got '{wire}'", field="experts.wire")
     if placement not in PLACEMENTS:

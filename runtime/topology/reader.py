@@ -9,6 +9,7 @@ dataclass invariant) is located through those marks by `Reader.locate`.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,8 +173,15 @@ class Reader:
         return value
 
     def number(self, node: Node, field: str) -> float:
-        """A positive int or float (bandwidths)."""
-        value = float(self._scalar(node, field, ("int", "float"), "a number"))
+        """A positive, finite int or float (bandwidths)."""
+        try:
+            value = float(self._scalar(node, field, ("int", "float"), "a number"))
+        except OverflowError:  # an integer past the float range (~1.8e308)
+            value = math.inf
+        # inf / nan (`.inf`, `1.0e+400`, `.nan`) would poison every byte floor and ratio taken from it.
+        if not math.isfinite(value):
+            text = node.value if len(node.value) <= 20 else node.value[:20] + "..."
+            raise self.error(node, field, f"expected a finite number, got {text!r}")
         if not value > 0:
             raise self.error(node, field, f"expected a positive number, got {value:g}")
         return value
@@ -209,7 +217,9 @@ class Reader:
             raise self.error(node, field, f"expected {expected}, got {describe(node)}{hint}")
         try:
             return self._ctor.construct_object(node)
-        except (ConstructorError, ValueError) as err:
+        # LookupError: an explicit tag (`!!bool maybe`, `!!int ""`) skips the resolver's pattern,
+        # and SafeConstructor's parsers then index and look up text they assume it matched.
+        except (ConstructorError, ValueError, LookupError) as err:
             raise self.error(node, field, f"expected {expected}, got {node.value!r}") from err
 
     def _record(self, field: str, node: Node) -> None:

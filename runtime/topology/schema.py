@@ -26,6 +26,10 @@ INTER_NODE_KINDS = ("infiniband", "roce")
 PCI_CLASSES = ("PIX", "PXB", "PHB", "NODE")
 KV_POLICIES = ("owner",)
 DEFAULT_MASTER_PORT = 29500
+# Checked before the ranks are built: every rank loads the topology, and the ring and its checks
+# are W x W in Python (derive_ring, RingSchedule): about 2 s and 200 MB per rank at 2048 ranks,
+# 13 s and 750 MB at 4096. 2048 is past any expert-parallel world we run.
+MAX_WORLD_SIZE = 2048
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,8 @@ class RankSpec:
 class KvSpec:
     """KV cache defaults: what the engine serves where its `--kv` / `--page-size` are not given
     (runtime/engine/jobs.py, `engine_config`). policy "owner": each rank owns the KV of its own
-    requests. format: a KV page format as `--kv` takes it (`check_engine_kv_format`)."""
+    requests. format: a KV page format as `--kv` takes it (`check_engine_kv_format`); page_size:
+    tokens per page, which the format must take (a multiple of 32 but for fp16 / fp32 pages)."""
 
     policy: str = "owner"
     format: str = DEFAULT_FP2
@@ -132,16 +137,34 @@ class KvSpec:
             raise ConfigError(
                 f"expected one of {', '.join(KV_POLICIES)}, got '{self.policy}'", field="kv.policy"
             )
-        try:
-            check_engine_kv_format(self.format)
-        except ConfigError as err:
-            raise ConfigError(err.message, field="kv.format") from None
         if self.page_size < 1:
             raise ConfigError(f"expected a page size >= 1 token, got {self.page_size}", field="kv.page_size")
+        # The engine's own check (its caches run it when built), so a pairing it would refuse at
+        # start fails here, at the file's line.
+        try:
+            check_engine_kv_format(self.format, self.page_size)
+        except ConfigError as err:
+            field = "kv.page_size" if err.field == "page_size" else "kv.format"
+            raise ConfigError(err.message, field=field) from None
 
 
 def enumerate_ranks(nodes: tuple[NodeSpec, ...], ranks_per_gpu: int) -> tuple[RankSpec, ...]:
-    """Number the ranks: node-major, GPUs in listed order, `ranks_per_gpu` consecutive ranks per GPU."""
+    """Number the ranks: node-major, GPUs in listed order, `ranks_per_gpu` consecutive ranks per GPU.
+
+    Raises:
+        ConfigError: (field ``nodes[i].cpu_ranks`` / ``nodes[i].gpus``) the nodes run more than
+            MAX_WORLD_SIZE ranks; node i is the one that passes it.
+    """
+    num_ranks = 0
+    for node_idx, node in enumerate(nodes):
+        cpu = node.cpu_ranks is not None
+        num_ranks += node.cpu_ranks if cpu else len(node.gpus) * ranks_per_gpu
+        if num_ranks > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"node '{node.name}' brings the world size to {num_ranks} ranks; "
+                f"at most {MAX_WORLD_SIZE} are supported",
+                field=f"nodes[{node_idx}].{'cpu_ranks' if cpu else 'gpus'}",
+            )
     out: list[RankSpec] = []
     for node_idx, node in enumerate(nodes):
         local = 0
