@@ -274,6 +274,8 @@ class Fp2Kernels:
         y: torch.Tensor,  # [N, Hkv, 2, D] fp32 stored-space K (0) and V (1)
         seq_idx: torch.Tensor,  # [N] int32
         fp2_idx: torch.Tensor,  # [N] int32
+        # [B, max_pages] int32, contiguous (row seq_idx[i] at stride(0)). Its page ids, seq_idx and
+        # fp2_idx are trusted: checking them would sync (Fp2Writer checks them on its CPU path only)
         block_table: torch.Tensor,
         k_codes: torch.Tensor,
         k_scales: torch.Tensor,

@@ -260,6 +260,56 @@ def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales), strict=True))
 
 
+def test_cpu_writer_refuses_bad_tables_pools_and_values_and_writes_nothing() -> None:
+    """The writer's boundary: the block table's dtype and shape, the layer's pools against the
+    writer's head dim and blocks, and (on CPU) seq_idx / fp2_idx within the table, the page ids
+    found there within the pool and y finite, each refused before anything is written."""
+    from dataclasses import replace
+
+    from zerodram.runtime.kv.errors import KVNonFiniteError
+
+    g = torch.Generator().manual_seed(11)
+    layer = random_fp2_layer(4, 2, 64, 128, generator=g)
+    batch = random_decode_batch([70, 10], [0, 0], 4, 2, 64, 128, generator=g)  # row 1: one page, then -1
+    table = batch.block_table
+    y = torch.randn(3, 2, 2, 128, generator=g)
+    s, f = torch.tensor([0, 1, 0], dtype=torch.int32), torch.tensor([69, 9, 3], dtype=torch.int32)
+    w = Fp2Writer(head_dim=128)
+    before = [t.clone() for t in (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales)]
+
+    def refuses(match: str, *, y=y, s=s, f=f, layer=layer, table=table, writer=w, error=KVInputError) -> None:
+        with pytest.raises(error, match=match):
+            writer.write(y, s, f, layer, table)
+
+    refuses("block_table must be torch.int32", table=table.long())
+    refuses("block_table must be torch.int32", table=table.float())
+    refuses(r"block_table has shape \(2,\), expected \[B, max_pages\]", table=table[0])
+    refuses("block_table must be contiguous", table=table.t().contiguous().t())
+    refuses(r"token 1: seq_idx 2, fp2_idx 9 outside the block table \(2 rows", s=torch.tensor([0, 2, 0], dtype=torch.int32))
+    refuses("fp2_idx -1 outside", f=torch.tensor([69, 9, -1], dtype=torch.int32))
+    refuses("fp2_idx 128 outside", f=torch.tensor([69, 9, 128], dtype=torch.int32))
+    # row 1's second column is -1 (no page): FP2 token 70 of it is in no page
+    refuses(r"token 1: FP2 token 70 of block-table row 1 is in page -1, outside the pool of 4 pages",
+            f=torch.tensor([69, 70, 3], dtype=torch.int32))  # fmt: skip
+    refuses("outside the pool of 4 pages", table=table + 4)
+    refuses(r"k_scales has shape \(4, 2, 64, 2\), expected \(4, 2, 64, 4\)", writer=Fp2Writer(head_dim=128, k_block=32))
+    refuses(r"v_scales has shape \(4, 2, 64, 2\), expected \(4, 2, 64, 1\)",
+            layer=random_fp2_layer(4, 2, 64, 128, v_block=64, generator=g), writer=Fp2Writer(head_dim=128, v_block=128))  # fmt: skip
+    refuses(r"k_codes has shape \(4, 3, 64, 8\)", layer=random_fp2_layer(4, 3, 64, 128, generator=g))
+    refuses("k_codes must be torch.int32", layer=replace(layer, k_codes=layer.k_codes.long()))
+    refuses("levels must be torch.float32", layer=replace(layer, levels=layer.levels.double()))
+    for bad in (float("nan"), float("inf")):
+        y_bad = y.clone()
+        y_bad[2, 1, 1, 5] = bad
+        refuses(
+            rf"non-finite V value {bad} at token 2 \(block-table row 0, FP2 token 3\), KV head 1, channel 5; "
+            "nothing was written", y=y_bad, error=KVNonFiniteError,
+        )  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales), strict=True))
+    w.write(y, s, f, layer, table)  # the same call, valid, writes
+    assert not torch.equal(before[1], layer.k_scales)
+
+
 @pytest.mark.parametrize("scale", ["e4m3", "e8m0"])
 @pytest.mark.parametrize("levels", ["lm", "sig"])
 def test_write_kernel_search_rule_picks_the_cpu_scales(levels: str, scale: str) -> None:
@@ -283,12 +333,16 @@ def test_write_kernel_search_rule_picks_the_cpu_scales(levels: str, scale: str) 
 
 
 def test_validation_names_both_sides() -> None:
+    from dataclasses import replace
+
     att = make_attention("cpu")
     g = torch.Generator().manual_seed(3)
     layer = random_fp2_layer(4, 2, 64, 128, generator=g)
     batch = random_decode_batch([10], [0], 4, 2, 64, 128, generator=g)
     with pytest.raises(KVInputError, match=r"q has shape"):
         att(torch.randn(1, 4, 128), layer, batch)
+    with pytest.raises(KVInputError, match=r"q has shape \(\), expected \[B, 8, 128\]"):
+        att(torch.randn(()), layer, batch)
     bad = DecodeBatch(batch.block_table.long(), *list(vars(batch).values())[1:])
     with pytest.raises(KVInputError, match=r"block_table must be torch.int32"):
         att(torch.randn(1, 8, 128), layer, bad)
@@ -301,6 +355,18 @@ def test_validation_names_both_sides() -> None:
     oob = DecodeBatch(batch.block_table + 100, *list(vars(batch).values())[1:])
     with pytest.raises(KVInputError, match=r"outside the pool of 4 pages"):
         att.check_tables(layer, oob)
+    att.check_tables(layer, batch)
+    for side in (0, 4):  # K's levels, then V's
+        for bad in ("inf", "unsorted", "tie"):
+            lv = layer.levels.clone()
+            if bad == "inf":  # e5m2 holds inf: only the finiteness check refuses it
+                lv[side + 3] = float("inf")
+            elif bad == "unsorted":
+                lv[side : side + 4] = lv[side : side + 4].flip(0)
+            else:
+                lv[side + 1] = lv[side]
+            with pytest.raises(KVInputError, match=r"levels must be finite and strictly increasing"):
+                att.check_tables(replace(layer, levels=lv), batch)
     with pytest.raises(ConfigError, match=r"1..8 query heads"):
         make_attention("cpu", Hq=32, Hkv=2)
     with pytest.raises(ConfigError, match=r"multiple of 32"):

@@ -231,6 +231,23 @@ def test_gather_batch_equals_per_sequence_gathers(fmt: str) -> None:
             assert not got[i, n:].float().any()  # padding is zero
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp2", "fp2:tail=1,window=8"])
+def test_gather_batch_refuses_lengths_past_the_sequence(fmt: str) -> None:
+    """A length beyond a sequence's stored tokens would read pages it does not hold (another
+    sequence's, or page 0) or give a short row: refused, naming both numbers."""
+    c = make_cache(fmt, num_pages=8, max_seqs=4)
+    a, b = c.new_sequence(), c.new_sequence()
+    for s, n, seed in ((a, 70, 1), (b, 3, 2)):  # a holds pages 0 and 1, b page 2
+        c.append(s, *kv_tokens(n, seed=seed))
+    for lens in ([70, 4], [70, 65], [70, -1]):
+        with pytest.raises(KVInputError, match=rf"gather of {lens[1]} tokens of sequence {b}, which holds 3"):
+            c.gather_batch([a, b], lens)
+    with pytest.raises(KVInputError, match="unknown sequence"):
+        c.gather_batch([a, 3], [1, 0])
+    k, _ = c.gather_batch([b, a], [3, 70])  # at the sequence's length: served
+    assert k.shape == (2, 70, H, D) and torch.equal(k[0, :3].float(), c.gather(b)[0].float())
+
+
 @pytest.mark.parametrize("fmt", ["fp2", "fp2:tail=1,window=8", "fp2:kblk=t32,vblk=c32,scale=e8m0,rot=0"])
 def test_value_pages_in_the_quad_layout_hold_the_token_layout_s_codes(fmt: str, monkeypatch) -> None:
     """Channel-block values are stored in the quad layout (docs/fp2-format.md): the same codes as a

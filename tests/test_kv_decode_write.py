@@ -283,6 +283,34 @@ def test_pending_append_equals_write_then_decode(fmt: str, d: int, group: int) -
         c.pending_append(k, v, ixb)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_static_decode_write_refuses_mismatched_rows_and_dtypes(device: str) -> None:
+    """The torch body (CPU) and the decode-write kernel (CUDA) share one check of their inputs:
+    k, v [Bp, H, D] fp32 / bf16 / fp16 on the cache's device, one row per index row; a refused
+    write changes nothing."""
+    from zerodram.runtime.kv.decode_index import StaticDecodeIndex
+
+    c = make_cache("fp2:tail=1,window=32", num_pages=8, max_seqs=4, device=device)
+    a, b = c.new_sequence(), c.new_sequence()
+    c.append(a, *(t.to(device) for t in kv_tokens(40, seed=3)))
+    ix = StaticDecodeIndex.allocate(2, torch.device(device))
+    ix.fill(c.plan_decode_static([a, b]), c.scratch_slot, c.scratch_page)
+    before = [t.clone() for t in _state(c)]
+    g = torch.Generator().manual_seed(12)
+    k, v = (torch.randn(2, H, D, generator=g).to(device) for _ in range(2))
+    writes = [c.write_decode_static] + ([c.pending_append] if device == "cuda" else [])
+    for write in writes:
+        with pytest.raises(KVInputError, match=r"K and V are \(1, 2, 64\), the index has 2 rows"):
+            write(k[:1], v[:1], ix)  # would broadcast one token into both rows
+        with pytest.raises(KVInputError, match=r"K must be fp32, bf16 or fp16, got torch\.float64"):
+            write(k.double(), v.double(), ix)
+        with pytest.raises(KVInputError, match=r"V must be \[T, 2, 64\] \(tokens, KV heads, head dim\), got \(2, 2, 32\)"):
+            write(k, v[..., :32], ix)
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(c), strict=True))
+    c.write_decode_static(k, v, ix)
+    assert [c.gather(s)[0].shape[0] for s in (a, b)] == [41, 1]
+
+
 def test_pending_append_names_other_regions() -> None:
     """A pending append names the bf16 regions a decode reads that its write does not write
     (`Fp2DecodeAttention` refuses such a call with those names: the decode would attend one

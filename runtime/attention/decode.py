@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer, expect_input
+from zerodram.runtime.attention.inputs import DecodeBatch, Fp2Layer, expect_input, expect_layer
 from zerodram.runtime.attention.reference import LOG2E, VALUE_PRODUCTS, int8_key_levels, reference_decode
 from zerodram.runtime.attention.split_table import SplitTable, find_table
 from zerodram.runtime.device import canonical_device
@@ -241,18 +241,15 @@ class Fp2DecodeAttention:
 
     def check(self, q: torch.Tensor, layer: Fp2Layer, batch: DecodeBatch) -> None:
         """Host-only validation of dtypes, shapes, contiguity and devices. Raises KVInputError."""
-        B, D, Hkv, P = q.shape[0], self.head_dim, self.num_kv_heads, self.page_size
+        D, Hkv, P = self.head_dim, self.num_kv_heads, self.page_size
         if q.dim() != 3 or q.shape[1:] != (self.num_q_heads, D):
             raise KVInputError(f"q has shape {tuple(q.shape)}, expected [B, {self.num_q_heads}, {D}]")
+        B = q.shape[0]
         if not 1 <= B <= self.max_batch:
             raise KVInputError(f"batch of {B} sequences, this module holds workspace for {self.max_batch}")
         NP = layer.k_codes.shape[0]
         dev = self.device
-        expect_input(layer.k_codes, "k_codes", torch.int32, (NP, Hkv, P, D // 16), dev)
-        expect_input(layer.v_codes, "v_codes", torch.int32, (NP, Hkv, P, D // 16), dev)
-        expect_input(layer.k_scales, "k_scales", torch.uint8, (NP, Hkv, P, D // self.k_block), dev)
-        expect_input(layer.v_scales, "v_scales", torch.uint8, (NP, Hkv, P, D // self.v_block), dev)
-        expect_input(layer.levels, "levels", torch.float32, (8,), dev)
+        expect_layer(layer, Hkv, P, D, self.k_block, self.v_block, dev)
         expect_input(batch.block_table, "block_table", torch.int32, (B, batch.block_table.shape[1]), dev)
         expect_input(batch.fp2_len, "fp2_len", torch.int32, (B,), dev)
         slots, HP = (batch.hp_k.shape[0], batch.hp_k.shape[2]) if batch.hp_k.dim() == 4 else (-1, -1)
@@ -287,6 +284,12 @@ class Fp2DecodeAttention:
         if int(hs.min()) < 0 or int(hs.max()) >= batch.hp_k.shape[0]:
             raise KVInputError(f"hp_slot outside [0, {batch.hp_k.shape[0]}): {hs.tolist()}")
         lv = layer.levels.cpu()
+        sides = lv.view(2, 4)  # K's four, then V's
+        if not bool(torch.isfinite(lv).all()) or not bool((sides[:, 1:] > sides[:, :-1]).all()):
+            # the rounding rule counts midpoints between neighbours (docs/fp2-format.md): sorted levels
+            raise KVInputError(
+                f"levels must be finite and strictly increasing on each side (K's four, then V's): {lv.tolist()}"
+            )
         if not bool((lv.to(torch.float8_e5m2).float() == lv).all()):
             raise KVInputError(
                 f"levels must be e5m2-exact (the value lookup reads their high bytes): {lv.tolist()}"

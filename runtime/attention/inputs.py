@@ -55,6 +55,20 @@ def expect_input(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, d
     expect_tensor(t, name, dtype, shape, device, owner="the attention module")
 
 
+def expect_layer(
+    layer: Fp2Layer, num_kv_heads: int, page_size: int, head_dim: int, k_block: int, v_block: int,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """The layer's pools in the dtypes, shapes and device a kernel of this shape reads, contiguous
+    (the kernels take their pointers and strides as they are). Raises KVInputError."""
+    NP, Hkv, P, D = layer.k_codes.shape[0], num_kv_heads, page_size, head_dim
+    expect_input(layer.k_codes, "k_codes", torch.int32, (NP, Hkv, P, D // 16), device)
+    expect_input(layer.v_codes, "v_codes", torch.int32, (NP, Hkv, P, D // 16), device)
+    expect_input(layer.k_scales, "k_scales", torch.uint8, (NP, Hkv, P, D // k_block), device)
+    expect_input(layer.v_scales, "v_scales", torch.uint8, (NP, Hkv, P, D // v_block), device)
+    expect_input(layer.levels, "levels", torch.float32, (8,), device)
+
+
 def random_fp2_layer(
     num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, *, k_block: int = 64, v_block: int = 64,
     scale_dtype: str = "e4m3", device: torch.device | str = "cpu", generator: torch.Generator | None = None,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from zerodram.runtime.attention.inputs import Fp2Layer, expect_input
+from zerodram.runtime.attention.inputs import Fp2Layer, expect_input, expect_layer
 from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.kv.errors import KVInputError
+from zerodram.runtime.kv.errors import KVInputError, KVNonFiniteError
 from zerodram.runtime.kv.pack import CodeLayout
 
 
@@ -60,11 +60,31 @@ class Fp2Writer:
         block_table: torch.Tensor,
     ) -> None:
         """y [N, Hkv, 2, D] fp32 (K, V in the stored space) -> codes and scales of FP2 token
-        fp2_idx[i] of block-table row seq_idx[i] (pages must be allocated)."""
-        N, Hkv, _, D = y.shape
-        expect_input(y, "y", torch.float32, (N, Hkv, 2, self.head_dim), self.device)
+        fp2_idx[i] of block-table row seq_idx[i] (pages must be allocated).
+
+        seq_idx, fp2_idx: [N] int32. block_table: [B, max_pages] int32 (-1: no page), as
+        `DecodeBatch.block_table`. What is checked where: on every call, host only (no sync, so a
+        CUDA graph may capture the GPU write, as benchmarks/attention.py does), the dtypes, shapes,
+        devices and contiguity of every input, and the layer's pools against this writer's head
+        dim and blocks. On CPU also the values: seq_idx within the table's rows, fp2_idx within its
+        pages, the page ids found there within the pool, y finite. On a GPU the values are the
+        caller's (reading them back would sync every call): the kernel reads the table and writes
+        through its page ids unchecked (docs/fp2-kernel.md), and nothing refuses a NaN or Inf in y.
+
+        Raises:
+            KVInputError: any of the above, before anything is written (KVNonFiniteError for
+                NaN/Inf in y).
+        """
+        N, Hkv = y.shape[:2] if y.dim() == 4 else (-1, -1)
+        D = self.head_dim
+        expect_input(y, "y", torch.float32, (N, Hkv, 2, D), self.device)
         expect_input(seq_idx, "seq_idx", torch.int32, (N,), self.device)
         expect_input(fp2_idx, "fp2_idx", torch.int32, (N,), self.device)
+        if block_table.dim() != 2:
+            raise KVInputError(f"block_table has shape {tuple(block_table.shape)}, expected [B, max_pages]")
+        expect_input(block_table, "block_table", torch.int32, block_table.shape, self.device)
+        P = layer.k_codes.shape[2] if layer.k_codes.dim() == 4 else -1
+        expect_layer(layer, Hkv, P, D, self.k_block, self.v_block, self.device)
         if layer.v_layout != self.v_layout:
             raise KVInputError(f"value pages in the {layer.v_layout!r} layout, the writer stores {self.v_layout!r}")
         if N == 0:
@@ -80,8 +100,7 @@ class Fp2Writer:
         from zerodram.runtime.kv.quantize import quantize_blocks
         from zerodram.runtime.kv.scales import encode_scale
 
-        P = layer.k_codes.shape[2]
-        page = block_table[seq_idx.long(), (fp2_idx // P).long()].long()
+        page = _checked_pages(y, seq_idx, fp2_idx, block_table, layer.k_codes.shape[0], P)  # [N]
         slot = (fp2_idx % P).long()
         for side, (bs, codes_t, scales_t) in enumerate(
             ((self.k_block, layer.k_codes, layer.k_scales), (self.v_block, layer.v_codes, layer.v_scales))
@@ -95,3 +114,33 @@ class Fp2Writer:
             else:
                 codes_t[page, :, slot] = pack_codes(codes.reshape(N, Hkv, D))
             scales_t[page, :, slot] = encode_scale(scales, self.scale_dtype)
+
+
+def _checked_pages(
+    y: torch.Tensor, seq_idx: torch.Tensor, fp2_idx: torch.Tensor, block_table: torch.Tensor, NP: int, P: int
+) -> torch.Tensor:
+    """The CPU write's value checks (`Fp2Writer.write`); returns each token's page id, int64 [N]."""
+    rows, width = block_table.shape
+    bad = (seq_idx < 0) | (seq_idx >= rows) | (fp2_idx < 0) | (fp2_idx >= width * P)  # [N]
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise KVInputError(
+            f"token {i}: seq_idx {int(seq_idx[i])}, fp2_idx {int(fp2_idx[i])} outside the block table "
+            f"({rows} rows of {width} pages of {P} tokens)"
+        )
+    page = block_table[seq_idx.long(), (fp2_idx // P).long()].long()  # [N]
+    bad = (page < 0) | (page >= NP)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise KVInputError(
+            f"token {i}: FP2 token {int(fp2_idx[i])} of block-table row {int(seq_idx[i])} is in page "
+            f"{int(page[i])}, outside the pool of {NP} pages (-1: none allocated)"
+        )
+    bad = ~torch.isfinite(y)  # [N, Hkv, 2, D]
+    if bool(bad.any()):  # worded as the cache's appends word it (runtime/kv/quantize.check_finite)
+        i, h, side, c = (int(j) for j in bad.nonzero()[0])
+        raise KVNonFiniteError(
+            f"{'KV'[side]} value {float(y[i, h, side, c])} at token {i} (block-table row {int(seq_idx[i])}, "
+            f"FP2 token {int(fp2_idx[i])}), KV head {h}, channel {c}"
+        )
+    return page

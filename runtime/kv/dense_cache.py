@@ -59,6 +59,7 @@ class DenseKVCache(KVCache):
 
     def gather_batch(self, seq_ids, lengths):
         # one page gather for the whole batch; rows past each length zeroed (other tokens, stale data)
+        self._check_gather(seq_ids, lengths)
         P, B, L = self.page_size, len(seq_ids), max(lengths, default=0)
         idx, valid = batch_page_index([self.tables.pages[s] for s in seq_ids], lengths, P, self.device)  # [B, W], [B, L]
         out = []

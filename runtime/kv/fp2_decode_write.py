@@ -24,6 +24,7 @@ import torch
 
 from zerodram.runtime.errors import ConfigError, ZerodramError
 from zerodram.runtime.kv.decode_index import DecodeIndices, StaticDecodeIndex
+from zerodram.runtime.kv.errors import KVInputError
 from zerodram.runtime.kv.format import Fp2Spec
 from zerodram.runtime.kv.quantize import quantize_stored, to_stored_space
 from zerodram.runtime.kv.scales import encode_scale
@@ -144,7 +145,13 @@ class Fp2DecodeWrites:
         """Device half: k, v [Bp, H, D] (finite) written where `ix` says, in a fixed number of ops
         with fixed shapes and no host sync. Per row: the token to its row and its codes to (page,
         page row), the scratch page for a sink; the tail moved up where the row flushes. The same
-        cache contents as `append_decode` of the real rows (tests/test_kv_cache.py)."""
+        cache contents as `append_decode` of the real rows (tests/test_kv_cache.py).
+
+        Raises:
+            KVInputError: k, v not [Bp, H, D] fp32 / bf16 / fp16 on the cache's device, Bp the
+                index's rows (`_check_static`; nothing written).
+        """
+        self._check_static(k, v, ix)
         S, W = self.spec.num_sinks, self.rule.window
         if self._static_write is not None:  # the same, in one launch (kernels/kv_write.py)
             self._kernel_write(k, v, ix.packed)
@@ -180,7 +187,16 @@ class Fp2DecodeWrites:
             raise ConfigError("a pending decode append needs the decode-write kernel (a CUDA cache in a format it takes)")
         if self.rule.window == 0:
             raise ConfigError("a pending decode append needs a window: with none, the decode reads the new token's codes")
+        self._check_static(k, v, ix)
         return self._static_write.pending(*self._kernel_args(k, v, ix.packed))
+
+    def _check_static(self, k: torch.Tensor, v: torch.Tensor, ix: StaticDecodeIndex) -> None:
+        # The one check of a fixed-shape write's inputs, for the torch body and the kernel alike (the
+        # kernel's wrapper sees them only after the move to the stored space). Host only: no sync,
+        # so a graph capture runs it. Their values are the caller's: finite, as `write_decode_static` says.
+        self._check_pair(k, v)
+        if k.shape[0] != ix.slot.shape[0]:
+            raise KVInputError(f"K and V are {tuple(k.shape)}, the index has {ix.slot.shape[0]} rows: need one each")
 
     def _kernel_write(self, k: torch.Tensor, v: torch.Tensor, packed: torch.Tensor) -> None:
         """k, v [B, H, D] through the decode-write kernel, where `packed` [5, B] int64 says."""
