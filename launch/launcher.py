@@ -73,6 +73,8 @@ def plan_launch(topology_arg: str, node_rank: int, master_port: int | None, job:
             f"--node-rank {node_rank} is outside the topology's {topo.num_nodes} node(s)",
             path=str(path),
         )
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise ConfigError(f"--master-port {master_port} is not a TCP port (expected 1..65535)")
     if not job:
         raise ConfigError("no job given: zerodram launch --topology FILE -- JOB [ARGS]")
     return LaunchPlan(

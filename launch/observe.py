@@ -7,7 +7,7 @@ Every rank records its engine's metrics and publishes snapshots (runtime/metrics
 the dashboard thread (live on a terminal, plain lines otherwise, JSON lines to --metrics-file).
 On a clean exit every rank publishes its final numbers and waits for the others, so rank 0's last
 frame shows the whole run with every rank still "ok"; after an error nobody waits
-(the job is failing anyway).
+(the job is failing anyway), and a barrier that fails (a peer failed) counts as an error.
 """
 
 from __future__ import annotations
@@ -50,18 +50,21 @@ def observe(
         ).start()
     try:
         yield dash
-    except BaseException as err:
-        collector.failed(err)  # in the "stopped" snapshot below: rank 0's last frame says why
+        agent.publish_now()
+        ctx.barrier("serving done, final metrics published")
         if dash is not None:
             dash.stop()
-        agent.stop()
+            if args.svg is not None:
+                args.svg.parent.mkdir(parents=True, exist_ok=True)
+                dash.export(*SVG_SIZE, frame="busiest").save_svg(str(args.svg), title="zerodram demo")
+        ctx.barrier("last frame drawn")  # before any rank's agent publishes "stopped"
+    except BaseException as err:  # the job's, or a barrier's: a peer failed
+        collector.failed(err)
         raise
-    agent.publish_now()
-    ctx.barrier("serving done, final metrics published")
-    if dash is not None:
-        dash.stop()
-        if args.svg is not None:
-            args.svg.parent.mkdir(parents=True, exist_ok=True)
-            dash.export(*SVG_SIZE, frame="busiest").save_svg(str(args.svg), title="zerodram demo")
-    ctx.barrier("last frame drawn")  # before any rank's agent publishes "stopped"
-    agent.stop()
+    finally:
+        # Whichever way the block ends, both threads stop (a live one left at exit can abort the
+        # interpreter). The agent first: its "stopped" snapshot carries the failure recorded
+        # above, so that rank 0's last frame says why (both stops are idempotent).
+        agent.stop()
+        if dash is not None:
+            dash.stop()

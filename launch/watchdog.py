@@ -33,25 +33,29 @@ class StageWatchdog:
 
     def __init__(self, who: str, poll_s: float = 0.5) -> None:
         self.who, self._poll_s = who, poll_s
-        self._what, self._limit, self._deadline = "start", 0.0, float("inf")
+        self._stage = ("start", 0.0, float("inf"))  # what, limit_s, deadline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
         self._thread.start()
 
     def stage(self, what: str, limit_s: float) -> None:
         """Enter stage `what`, which must end (by the next `stage` call) within `limit_s` seconds."""
-        self._what, self._limit, self._deadline = what, limit_s, time.monotonic() + limit_s
+        # one tuple, swapped whole: the watcher never reports one stage with another's deadline
+        self._stage = (what, limit_s, time.monotonic() + limit_s)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
-            if time.monotonic() > self._deadline:
-                print(
-                    f"{self.who}: no progress for {self._limit:g}s in {self._what}; stacks follow, then exit",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                os._exit(EXIT_CODE)
+            what, limit, deadline = self._stage
+            if time.monotonic() > deadline:
+                try:
+                    print(
+                        f"{self.who}: no progress for {limit:g}s in {what}; stacks follow, then exit",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                finally:  # a closed or captured stderr must not spare a stuck process
+                    os._exit(EXIT_CODE)
 
     def close(self) -> None:
         """Stop watching. Idempotent."""

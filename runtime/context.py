@@ -11,6 +11,7 @@ the topology, and closed explicitly. Backends are chosen here, once:
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -60,6 +61,8 @@ class TorchrunEnv:
         )
         if not 0 <= env.rank < env.world_size:
             raise ConfigError(f"RANK={env.rank} outside WORLD_SIZE={env.world_size}")
+        if not 0 <= env.local_rank < env.local_world_size:
+            raise ConfigError(f"LOCAL_RANK={env.local_rank} outside LOCAL_WORLD_SIZE={env.local_world_size}")
         return env
 
 
@@ -150,7 +153,9 @@ class RankContext:
 
         Raises:
             WorldMismatchError: torchrun's world differs from the topology's.
-            ConfigError: the topology wants GPUs and none is visible, or not under torchrun.
+            ConfigError: the topology wants GPUs and none is visible, not under torchrun, or a
+                variable of torchrun's or a ZERODRAM_ timeout out of range.
+            RankTimeoutError: the rendezvous failed (a rank never joined, or no rank 0 to reach).
         """
         import torch
         import torch.distributed as dist
@@ -181,13 +186,22 @@ class RankContext:
             dev = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+            address, t0 = f"tcp://{env.master_addr}:{env.master_port}", time.monotonic()
+            try:
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=address,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            except (dist.DistStoreError, dist.DistNetworkError) as err:
+                # store: rank 0 waited for ranks that never joined; network: no rank 0 to reach
+                # (or its port is taken, which fails at once: hence the elapsed time, not the limit)
+                raise RankTimeoutError(
+                    f"rank {env.rank}/{env.world_size}: rendezvous at {address} failed after "
+                    f"{time.monotonic() - t0:.1f}s (limit {timeout_s:g}s): {_first_line(err)}"
+                ) from err
         return cls(env, dev, backend, topology, timeout_s)
 
     @classmethod
@@ -236,12 +250,14 @@ class RankContext:
         monitored barrier, on `cpu_group` beside NCCL, whose own barrier has no bound)."""
         import torch.distributed as dist
 
+        t0 = time.monotonic()
         try:
             dist.monitored_barrier(group=self.cpu_group, timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
+            # not always the limit: a peer that crashed fails the barrier at once
             raise RankTimeoutError(
-                f"rank {self.rank}/{self.world_size} waited {self.timeout_s:g}s at barrier "
-                f"'{what}': {_first_line(err)}"
+                f"rank {self.rank}/{self.world_size}: barrier '{what}' failed after "
+                f"{time.monotonic() - t0:.1f}s (limit {self.timeout_s:g}s): {_first_line(err)}"
             ) from err
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ class EnvVar(Generic[T]):
     kind: type
     default: T | None
     doc: str
+    low: float | None = None  # the allowed range of a number, both ends included
+    high: float | None = None
 
     def get(self) -> T | None:
         raw = os.environ.get(self.name)
@@ -34,17 +36,28 @@ class EnvVar(Generic[T]):
                 if raw.lower() in ("0", "false", "no", "off"):
                     return False  # type: ignore[return-value]
                 raise ValueError(raw)
-            return self.kind(raw)
+            value = self.kind(raw)
         except ValueError:
             raise ConfigError(
                 f"environment variable {self.name}={raw!r} is not a valid {self.kind.__name__}"
             ) from None
+        # written so that nan fails too: every comparison with it is False
+        if not ((self.low is None or value >= self.low) and (self.high is None or value <= self.high)):
+            allowed = f"in [{self.low:g}, {self.high:g}]" if self.high is not None else f">= {self.low:g}"
+            raise ConfigError(f"environment variable {self.name}={raw!r} must be {allowed}")
+        return value
 
     def require(self) -> T:
         value = self.get()
         if value is None:
             raise ConfigError(f"environment variable {self.name} is not set ({self.doc})")
         return value
+
+
+# Timeouts in seconds. Above a millisecond: zero or less would fail every wait at once. At most a
+# day: no single cross-rank wait legitimately takes longer, and the device kernels take the bound
+# as a uint64 of nanoseconds, which 1e12 s would overflow (a day is 8.6e13 ns).
+TIMEOUT_RANGE_S = (0.001, 86400.0)
 
 
 def _default_cache_dir() -> Path:
@@ -54,13 +67,13 @@ def _default_cache_dir() -> Path:
 
 class _Registry:
     # --- set by torchrun (or by tests/multirank.py, which mimics it) ---
-    RANK = EnvVar("RANK", int, None, "global rank, set by torchrun")
-    LOCAL_RANK = EnvVar("LOCAL_RANK", int, None, "rank within the node, set by torchrun")
-    WORLD_SIZE = EnvVar("WORLD_SIZE", int, None, "number of ranks, set by torchrun")
-    LOCAL_WORLD_SIZE = EnvVar("LOCAL_WORLD_SIZE", int, None, "ranks on this node, set by torchrun")
-    GROUP_RANK = EnvVar("GROUP_RANK", int, None, "node index, set by torchrun")
+    RANK = EnvVar("RANK", int, None, "global rank, set by torchrun", low=0)
+    LOCAL_RANK = EnvVar("LOCAL_RANK", int, None, "rank within the node, set by torchrun", low=0)
+    WORLD_SIZE = EnvVar("WORLD_SIZE", int, None, "number of ranks, set by torchrun", low=1)
+    LOCAL_WORLD_SIZE = EnvVar("LOCAL_WORLD_SIZE", int, None, "ranks on this node, set by torchrun", low=1)
+    GROUP_RANK = EnvVar("GROUP_RANK", int, None, "node index, set by torchrun", low=0)
     MASTER_ADDR = EnvVar("MASTER_ADDR", str, None, "rendezvous host, set by torchrun")
-    MASTER_PORT = EnvVar("MASTER_PORT", int, None, "rendezvous port, set by torchrun")
+    MASTER_PORT = EnvVar("MASTER_PORT", int, None, "rendezvous port, set by torchrun", low=1, high=65535)
     # --- zerodram's own ---
     TOPOLOGY = EnvVar(
         "ZERODRAM_TOPOLOGY", str, None, "topology file a worker loads (set by `zerodram launch`)"
@@ -73,7 +86,11 @@ class _Registry:
         "write the preprocessed source and PTX next to each cached cubin, for inspection",
     )
     WAIT_TIMEOUT_S = EnvVar(
-        "ZERODRAM_WAIT_TIMEOUT_S", float, 60.0, "bound on every cross-rank wait, host or device"
+        "ZERODRAM_WAIT_TIMEOUT_S",
+        float,
+        60.0,
+        "bound on every cross-rank wait, host or device",
+        *TIMEOUT_RANGE_S,
     )
     ALLOW_SYSTEM_CUDA_HEADERS = EnvVar(
         "ZERODRAM_ALLOW_SYSTEM_CUDA_HEADERS",
@@ -92,6 +109,7 @@ class _Registry:
         float,
         None,
         "bound on the device-side spin-waits of dispatch/combine (default: ZERODRAM_WAIT_TIMEOUT_S)",
+        *TIMEOUT_RANGE_S,
     )
     # --- end expert parallelism ---
 

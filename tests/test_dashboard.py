@@ -3,18 +3,24 @@ and a failing sink never escapes."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from multirank import run_ranks
 from rich.console import Console
 
 from zerodram.launch.dashboard import Dashboard, dashboard_mode
 from zerodram.launch.dashboard_view import render, sparkline
+from zerodram.launch.observe import observe
 from zerodram.launch.progress import progress_bar
+from zerodram.runtime.errors import RankTimeoutError
 from zerodram.runtime.metrics import (
     PHASES,
     ClusterSampler,
@@ -257,3 +263,40 @@ def test_progress_bar_plain_and_live() -> None:
     with progress_bar(3, "quiet", enabled=False) as bar:
         bar.advance()
     assert bar.done == 1
+
+
+def _observe_while_rank_one_fails(ctx, metrics_file: str) -> tuple[str, list[str]]:
+    import torch
+
+    model = SimpleNamespace(config=SimpleNamespace(num_layers=1, hidden_size=16), dtype=torch.float32)
+    engine = SimpleNamespace(
+        model=model, expert_to_rank=(0, 1), kv=None, attach_observer=lambda *args, **kwargs: None
+    )
+    args = argparse.Namespace(no_dashboard=True, metrics_file=Path(metrics_file), svg=None)
+    try:
+        with observe(ctx, engine, args, console=Console(file=io.StringIO())):
+            if ctx.rank == 1:
+                raise ValueError("rank 1 failed while serving")
+        err = "no error"
+    except (ValueError, RankTimeoutError) as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, [t.name for t in threading.enumerate() if t.name.startswith("zerodram")]
+
+
+@pytest.mark.slow
+def test_observe_stops_its_threads_and_records_a_peer_failure(tmp_path: Path) -> None:
+    """Rank 1 fails while serving: rank 0's closing barrier fails, and still both threads stop and
+    rank 0's last frame shows both ranks stopped, each with its failure counted."""
+    path = tmp_path / "metrics.jsonl"
+    (err0, threads0), (err1, threads1) = run_ranks(
+        _observe_while_rank_one_fails, 2, args=(str(path),), timeout_s=60, rank_timeout_s=5
+    )
+    assert err1 == "ValueError: rank 1 failed while serving"
+    assert err0.startswith("RankTimeoutError: rank 0/2: barrier 'serving done, final metrics published'"), (
+        err0
+    )
+    assert threads0 == threads1 == []
+    last = json.loads(path.read_text().splitlines()[-1])["ranks"]
+    assert [r["status"] for r in last] == ["stopped", "stopped"]
+    assert last[0]["snapshot"]["num_timeouts"] == 1
+    assert last[1]["snapshot"]["num_errors"] == 1

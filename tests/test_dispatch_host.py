@@ -15,6 +15,7 @@ import torch
 from multirank import run_ranks
 
 from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
+from zerodram.runtime.comm.torch_dist import TorchDistComm
 from zerodram.runtime.errors import RankTimeoutError
 
 pytestmark = pytest.mark.slow
@@ -98,3 +99,45 @@ def test_silent_rank_is_named_within_the_timeout() -> None:
         assert "rank 2" in msg, msg
         assert "dispatch counts" in msg, msg
         assert float(msg.split("s ", 1)[0]) < 6.0, msg
+        assert "(limit 2s)" in msg, msg
+
+
+def _late_after_the_peer_left(ctx) -> str:
+    placement = ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E)
+    comm = create_communicator(ctx, EpLayout(placement, D, K, TM), backend="torch")
+    if ctx.rank == 0:
+        return "left"  # its process group closes with the process
+    time.sleep(2.0)  # late: rank 0 is gone by now, so posting the counts fails at once
+    try:
+        comm.dispatch(
+            torch.zeros(2, D), topk_idx=torch.zeros(2, K, dtype=torch.int64), topk_weight=torch.ones(2, K)
+        )
+    except RankTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_late_rank_whose_peer_left_gets_a_rank_timeout_error_saying_when() -> None:
+    # a bare RuntimeError here would escape the worker's error line as a traceback
+    results = run_ranks(_late_after_the_peer_left, 2, timeout_s=60, rank_timeout_s=20)
+    assert results[0] == "left"
+    msg = results[1]
+    assert msg.startswith("rank 1/2: waiting for "), msg
+    assert "the dispatch counts exchange with rank 0 failed after 0." in msg, msg  # at posting, at once
+    assert "(limit 20s)" in msg, msg
+
+
+def test_all_to_all_errors_state_the_bound_that_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective is bounded by its process group's timeout, not the communicator's."""
+
+    def reset(*args, **kwargs):
+        raise RuntimeError("Connection reset by peer\nmore lines")
+
+    monkeypatch.setattr("torch.distributed.all_to_all_single", reset)
+    comm = TorchDistComm(
+        EpLayout(ExpertPlacement.contiguous(0, 2, E), D, K, TM), None, torch.device("cpu"), "gloo", 5.0, None
+    )
+    with pytest.raises(RankTimeoutError) as info:
+        comm._all_to_all(torch.empty(0), torch.empty(0), [0, 0], [0, 0], "combine rows")
+    assert str(info.value).startswith("rank 0/2: waiting for combine rows (all_to_all) failed after 0.0s")
+    assert str(info.value).endswith("(limit: the process group's timeout): Connection reset by peer")

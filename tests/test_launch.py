@@ -14,8 +14,9 @@ from multirank import free_port, run_ranks
 from zerodram.launch.cli import main
 from zerodram.launch.launcher import plan_launch
 from zerodram.runtime import smoke
-from zerodram.runtime.context import TorchrunEnv, check_world
-from zerodram.runtime.errors import ConfigError, WorldMismatchError
+from zerodram.runtime.context import RankContext, TorchrunEnv, check_world
+from zerodram.runtime.envs import ENVS
+from zerodram.runtime.errors import ConfigError, RankTimeoutError, WorldMismatchError
 from zerodram.runtime.topology import load_topology, resolve_topology_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,12 @@ def test_node_rank_outside_topology_is_an_error(capsys: pytest.CaptureFixture[st
 def test_missing_job_is_an_error() -> None:
     with pytest.raises(ConfigError, match="no job given"):
         plan_launch("local-cpu-4", 0, None, [])
+
+
+@pytest.mark.parametrize("port", [0, 70000])
+def test_master_port_outside_tcp_ports_is_an_error(port: int) -> None:
+    with pytest.raises(ConfigError, match=rf"--master-port {port} is not a TCP port \(expected 1\.\.65535\)"):
+        plan_launch("local-cpu-4", 0, port, ["smoke"])
 
 
 def _env(rank: int, world: int, local_world: int | None = None, node: int = 0) -> TorchrunEnv:
@@ -86,6 +93,57 @@ def test_not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match="not started by torchrun"):
         TorchrunEnv.from_environ()
+
+
+@pytest.mark.parametrize("var", ["ZERODRAM_WAIT_TIMEOUT_S", "ZERODRAM_EP_DEVICE_TIMEOUT_S"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "1e12"])
+def test_nonsense_timeouts_are_refused_by_name(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    env_var = getattr(ENVS, var.removeprefix("ZERODRAM_"))
+    with pytest.raises(ConfigError, match=rf"{var}='{value}' must be in \[0.001, 86400\]"):
+        env_var.get()
+    monkeypatch.setenv(var, "0.5")
+    assert env_var.get() == 0.5
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "want"),
+    [("LOCAL_RANK", "-3", ">= 0"), ("LOCAL_WORLD_SIZE", "0", ">= 1"), ("GROUP_RANK", "-7", ">= 0")],
+)
+def test_nonsense_torchrun_variables_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, want: str
+) -> None:
+    for name, ok in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, ok)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}='{value}' must be {want}"):
+        TorchrunEnv.from_environ()
+
+
+def test_a_rank_that_never_joins_fails_the_rendezvous_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 alone: the store waits for a client that never comes, and says so as a
+    `RankTimeoutError` naming the rank, the world, the address and the limit."""
+    port = free_port()
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        RankTimeoutError,
+        match=rf"rank 0/2: rendezvous at tcp://127.0.0.1:{port} failed after .*s \(limit 0.5s\)",
+    ):
+        RankContext.create(device="cpu", timeout_s=0.5)
+
+
+@pytest.mark.parametrize("stderr", ["io.StringIO()", "open(os.devnull, 'w'); sys.stderr.close()"])
+def test_stage_watchdog_exits_even_when_stderr_fails(stderr: str) -> None:
+    """Printing the report raises (stderr captured or closed): the stuck process must still end."""
+    code = (
+        f"import io, os, sys, time; sys.stderr = {stderr}\n"
+        "from zerodram.launch.watchdog import StageWatchdog\n"
+        "d = StageWatchdog('rank 1/2', poll_s=0.05); d.stage('barrier', 0.2); time.sleep(30)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 4, out.stderr
 
 
 def _smoke(ctx) -> int:

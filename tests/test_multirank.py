@@ -44,6 +44,16 @@ def _skip_barrier_on_rank_one(ctx: RankContext) -> str:
     return "no timeout"
 
 
+def _leave_before_the_barrier_on_rank_one(ctx: RankContext) -> str:
+    if ctx.rank == 1:
+        return "left"  # its process group closes: rank 0's barrier fails at once, not at the limit
+    try:
+        ctx.barrier("test step")
+    except RankTimeoutError as err:
+        return str(err)
+    return "no error"
+
+
 def test_results_come_back_in_rank_order(capfd: pytest.CaptureFixture[str]) -> None:
     assert run_ranks(_sum_ranks, 3) == [(0, 3, 3.0), (1, 3, 3.0), (2, 3, 3.0)]
     assert "[rank 2] hello from the worker" in capfd.readouterr().out
@@ -66,5 +76,14 @@ def test_a_hang_is_reported_with_the_waiting_ranks() -> None:
 def test_a_missing_rank_times_out_a_barrier_by_name() -> None:
     out = run_ranks(_skip_barrier_on_rank_one, 2, rank_timeout_s=1.5)
     assert out[1] == "skipped"
-    assert "rank 0/2 waited 1.5s at barrier 'test step'" in out[0]
+    assert "rank 0/2: barrier 'test step' failed after " in out[0]
+    assert "(limit 1.5s)" in out[0]
     assert "Rank 1 failed to pass" in out[0]  # gloo's monitored barrier names the missing rank
+
+
+def test_a_peer_that_left_fails_a_barrier_early_and_the_message_says_when() -> None:
+    out = run_ranks(_leave_before_the_barrier_on_rank_one, 2, rank_timeout_s=20)
+    assert out[1] == "left"
+    assert out[0].startswith("rank 0/2: barrier 'test step' failed after "), out[0]
+    assert float(out[0].split("failed after ")[1].split("s ")[0]) < 10, out[0]
+    assert "(limit 20s)" in out[0]

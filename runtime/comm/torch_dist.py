@@ -181,23 +181,28 @@ class TorchDistComm(Communicator):
         recv_h = torch.empty_like(send_h)
         recv_h[lay.rank] = send_h[lay.rank]
         peers = [p for p in lay.placement.ring_peers if p != lay.rank]
-        sends = [dist.isend(send_h[p], dst=p, group=self.group, tag=_TAG_COUNTS) for p in peers]
-        recvs = [dist.irecv(recv_h[p], src=p, group=self.group, tag=_TAG_COUNTS) for p in peers]
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
+        sends, recvs = [], []
+        for p in peers:
+            try:  # posting fails at once when the peer has gone already
+                sends.append(dist.isend(send_h[p], dst=p, group=self.group, tag=_TAG_COUNTS))
+                recvs.append(dist.irecv(recv_h[p], src=p, group=self.group, tag=_TAG_COUNTS))
+            except RuntimeError as err:
+                raise self._failed(f"the dispatch counts exchange with rank {p}", t0, err) from err
         for p, work in zip(peers, recvs, strict=True):
-            self._wait(work, deadline, f"dispatch counts from rank {p}")
+            self._wait(work, t0, f"dispatch counts from rank {p}")
         for p, work in zip(peers, sends, strict=True):
-            self._wait(work, deadline, f"rank {p} to take its dispatch counts")
+            self._wait(work, t0, f"rank {p} to take its dispatch counts")
         return torch.stack([send_h, recv_h]).numpy()
 
-    def _wait(self, work: dist.Work, deadline: float, what: str) -> None:
-        left = max(deadline - time.monotonic(), 0.001)
+    def _wait(self, work: dist.Work, t0: float, what: str) -> None:
+        left = max(t0 + self.timeout_s - time.monotonic(), 0.001)
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as err:
-            raise self._timeout(what, err) from err
+            raise self._failed(what, t0, err) from err
         if ok is False:
-            raise self._timeout(what, None)
+            raise self._failed(what, t0, None)
 
     def _all_to_all(
         self,
@@ -207,16 +212,25 @@ class TorchDistComm(Communicator):
         in_splits: list[int] | None,
         what: str,
     ) -> None:
+        t0 = time.monotonic()
         try:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         except RuntimeError as err:
-            raise self._timeout(what + " (all_to_all)", err) from err
+            # a collective takes no timeout of its own: the process group's bounds it (the
+            # context's timeout_s when the context made the group), not self.timeout_s
+            limit = "limit: the process group's timeout"
+            raise self._failed(f"{what} (all_to_all)", t0, err, limit) from err
 
-    def _timeout(self, what: str, err: BaseException | None) -> RankTimeoutError:
-        lay = self.layout
+    def _failed(
+        self, what: str, t0: float, err: BaseException | None, limit: str | None = None
+    ) -> RankTimeoutError:
+        """The error for a wait on peers that ended badly: timed out, or failed early because a
+        peer crashed, hence the real elapsed time beside the limit."""
+        lay, limit = self.layout, limit or f"limit {self.timeout_s:g}s"
         cause = f": {str(err).strip().splitlines()[0]}" if err is not None and str(err).strip() else ""
         return RankTimeoutError(
-            f"rank {lay.rank}/{lay.world_size} waited {self.timeout_s:g}s for {what}{cause}"
+            f"rank {lay.rank}/{lay.world_size}: waiting for {what} failed after "
+            f"{time.monotonic() - t0:.1f}s ({limit}){cause}"
         )
 
     def close(self) -> None:
