@@ -323,3 +323,17 @@ def test_text_that_is_not_unicode_and_a_duplicate_id_are_refused() -> None:
     engine.add_request(req)
     with pytest.raises(RequestError, match="request id 7 is already queued or running"):
         engine.add_request(engine.validate(7, [8, 9], SamplingParams(max_tokens=2)))
+
+
+def test_a_kv_partition_past_memory_and_zero_experts_are_refused_by_name() -> None:
+    import argparse
+
+    from zerodram.runtime.engine.jobs import add_engine_args
+
+    cfg = EngineConfig(kv_format="fp32", num_kv_pages=10**12, page_size=4, scheduler=SchedulerConfig(8, 32, 5))
+    with pytest.raises(ConfigError, match="does not fit in cpu memory: lower --num-kv-pages"):
+        build_engine("random:tiny-moe", None, cfg)
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(p)
+    with pytest.raises(argparse.ArgumentError, match="expected an integer >= 1, got '0'"):
+        p.parse_args(["--experts", "0"])

@@ -44,6 +44,16 @@ def kv_format_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options shared by generate, serve and demo. `--kv` and `--page-size` default to
     the topology's `kv` section (`engine_config`), whose own defaults are `KvSpec`'s."""
@@ -66,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-calibration-save", default=None, metavar="PATH", help="save the FP2 constants here")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights / compute dtype")
-    p.add_argument("--experts", type=int, default=None, help="experts to slice a dense model into")
+    p.add_argument("--experts", type=_at_least_one, default=None, help="experts to slice a dense model into")
     p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages per rank")
     p.add_argument(
         "--page-size", type=int, default=None, help=f"tokens per KV page (default the topology's kv.page_size, else {kv.page_size})"

@@ -239,12 +239,21 @@ def make_kv_partition(
     """
     if kv_params is not None and not kv_format.startswith("fp2"):
         raise ConfigError(f"KV params were given for {kv_format!r}, which takes none (FP2 only)")
-    if kv_format in TORCH_PAGED_FORMATS:
-        return TorchPagedKV(
-            num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
-        )
     from zerodram.runtime.engine.kv_adapter import RuntimeKVPartition
 
-    return RuntimeKVPartition(
-        kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
-    )
+    try:
+        if kv_format in TORCH_PAGED_FORMATS:
+            return TorchPagedKV(
+                num_layers, num_kv_heads, head_dim, num_pages, page_size, kv_format, compute_dtype, device
+            )
+        return RuntimeKVPartition(
+            kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
+        )
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        # the CPU allocator's failure is a plain RuntimeError; anything else is not ours to rename
+        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err):
+            raise
+        raise ConfigError(
+            f"the KV partition ({num_layers} layers x {num_pages} pages of {page_size} tokens, {kv_format}) does "
+            f"not fit in {device} memory: lower --num-kv-pages or --page-size ({str(err).splitlines()[0]})"
+        ) from None
