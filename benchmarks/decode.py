@@ -56,26 +56,27 @@ import time
 from typing import Any
 
 from zerodram.launch.bench_cmd import load_sibling
+from zerodram.runtime.argtypes import int_at_least, int_list
 
 kv_paths = load_sibling(__file__, "decode_kv")  # the two paths' KV: Fp2PathKV, Bf16PathKV
 report = load_sibling(__file__, "decode_report")  # the tables
 
 PATHS = ("fp2-fused", "bf16-host")
 STAGES = report.STAGES
-GPU = {"model": "seed-700b", "batches": "1,8,64", "contexts": "8192,32768,131072"}
+GPU = {"model": "seed-700b", "batches": (1, 8, 64), "contexts": (8192, 32768, 131072)}
 # CPU: a small MoE layer the FP2 kernels' shape rules accept (head dim 64, <= 8 q heads per kv head)
-CPU = {"model": "small", "batches": "1,4", "contexts": "256,1024"}
+CPU = {"model": "small", "batches": (1, 4), "contexts": (256, 1024)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON lines (one per case)")
     p.add_argument("--model", default=None, help="named config (default: seed-700b on GPU, 'small' on CPU)")
-    p.add_argument("--batches", default=None, help="comma list of B (default GPU 1,8,64; CPU 1,4)")
-    p.add_argument("--contexts", default=None, help="comma list of L (default GPU 8k,32k,128k; CPU 256,1024)")
+    p.add_argument("--batches", type=int_list, help="comma list of B (default GPU 1,8,64; CPU 1,4)")
+    p.add_argument("--contexts", type=int_list, help="comma list of L (default GPU 8k,32k,128k; CPU 256,1k)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma list of fp2-fused,bf16-host")
     p.add_argument("--fused-backend", default="auto", help="EP backend of fp2-fused: auto | nvshmem | torch")
-    p.add_argument("--iters", type=int, default=None, help="timed passes per case (GPU 20, CPU 5)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed passes per case")
+    p.add_argument("--iters", type=int_at_least(1), help="timed passes per case (GPU 20, CPU 5)")
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed passes per case")
     p.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is visible")
     p.add_argument(
         "--profile",
@@ -92,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available() and not args.cpu
     grid = GPU if gpu else CPU
     model = args.model or grid["model"]
-    batches = [int(b) for b in (args.batches or grid["batches"]).split(",")]
-    contexts = [int(n) for n in (args.contexts or grid["contexts"]).split(",")]
+    batches, contexts = args.batches or grid["batches"], args.contexts or grid["contexts"]
     paths = [p for p in args.paths.split(",") if p]
     if bad := [p for p in paths if p not in PATHS]:
         print(f"unknown path(s) {bad}; paths: {', '.join(PATHS)}", file=sys.stderr)

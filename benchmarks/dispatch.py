@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from zerodram.launch.bench_cmd import load_sibling
+from zerodram.runtime.argtypes import int_at_least, int_list
 
 if TYPE_CHECKING:
     import torch
@@ -71,13 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="stdout: only the JSON lines (the summary goes to stderr)"
     )
     p.add_argument("--quick", action="store_true", help="the CPU grid even on a GPU (smoke run)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per case (median reported)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per case")
+    p.add_argument(
+        "--iters", type=int_at_least(1), default=20, help="timed iterations per case (median reported)"
+    )
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations per case")
     p.add_argument("--paths", default="auto", help="comma list of nvshmem,torch (auto: both where possible)")
-    p.add_argument("--tokens", default=None, help="override the tokens-per-rank list, e.g. 1,128")
-    p.add_argument("--hidden", default=None, help="override the hidden sizes, e.g. 7168")
-    p.add_argument("--experts", default=None, help="override the expert counts, e.g. 256")
-    p.add_argument("--topk", default=None, help="override the top-k list, e.g. 8")
+    p.add_argument("--tokens", type=int_list, help="override the tokens-per-rank list, e.g. 1,128")
+    p.add_argument("--hidden", type=int_list, help="override the hidden sizes, e.g. 7168")
+    p.add_argument("--experts", type=int_list, help="override the expert counts, e.g. 256")
+    p.add_argument("--topk", type=int_list, help="override the top-k list, e.g. 8")
     p.add_argument("--wires", default="bf16,fp8", help="wire formats to run")
     p.add_argument("--no-flush", action="store_true", help="no L2 flush between timed iterations")
     p.add_argument(
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         grid = CPU_GRID if args.quick or not gpu else SHARED_GPU_GRID if shared else GPU_GRID
         for name in ("tokens", "hidden", "experts", "topk"):
             if getattr(args, name):
-                grid = replace(grid, **{name: tuple(int(v) for v in getattr(args, name).split(","))})
+                grid = replace(grid, **{name: getattr(args, name)})
         # NCCL refuses ranks sharing a GPU, and gloo cannot move CUDA tensors: no host path there
         paths = ["nvshmem"] if shared else ["nvshmem", "torch"] if gpu else ["torch"]
         if args.paths != "auto":

@@ -73,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench", help="benchmarks (dispatch, ...)", description="Run a benchmark; see SUBCOMMAND --help."
     )
     inner = p.add_subparsers(dest="bench", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda _args: (p.print_help(), 2)[1])  # `zerodram bench`: list them
     for name, (target, text) in SUBCOMMANDS.items():
         try:
             module = _load(target)

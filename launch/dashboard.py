@@ -9,7 +9,8 @@ What a frame shows is `dashboard_view.render`, a pure function of a `ClusterSnap
 Modes: "live" (a TTY), "plain" (a line every few seconds: not a TTY, or `--no-dashboard`), "off".
 `--metrics-file PATH` appends one JSON line per second in any mode. The dashboard never stops the
 engine: it reads snapshots from the transport on its own daemon thread, and a sink that fails
-(rendering, printing, writing) is logged once and switched off while serving goes on.
+(rendering, printing, writing) is logged once and switched off (a live display gives way to plain
+lines) while serving goes on.
 This module is launch-side only; the engine never imports it.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -29,6 +31,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 
 from zerodram.launch.dashboard_view import render
+from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.metrics import ClusterSampler, ClusterSnapshot, MetricsReader
 from zerodram.runtime.metrics.summary import json_line, plain_line
 
@@ -51,21 +54,46 @@ def add_dashboard_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse a `--metrics-file` or `--svg` that cannot be written, before any model loads (run
+    it where rank 0 runs): a finished run must not end by failing to write its output.
+
+    Raises:
+        ConfigError: naming the flag, the path and why.
+    """
+    for flag, path in (("--metrics-file", args.metrics_file), ("--svg", args.svg)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ConfigError(f"{flag} {path} is a directory; give a file path")
+        # the nearest existing folder above it: rank 0 creates the missing ones when it writes
+        folder = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+        if folder != path.absolute() and not folder.is_dir():
+            raise ConfigError(f"{flag} {path}: {folder} is not a directory")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"{flag} {path}: {folder} is not writable")
+
+
 def dashboard_mode(no_dashboard: bool, console: Console | None = None) -> str:
-    """The mode to run: "plain" with `--no-dashboard` or when stdout is not a terminal, else "live"."""
+    """The mode to run: "plain" with `--no-dashboard` or where `live` cannot draw, else "live"."""
     console = console or Console()
-    return "plain" if no_dashboard or not console.is_terminal else "live"
+    return "plain" if no_dashboard or not _can_redraw(console) else "live"
+
+
+def _can_redraw(console: Console) -> bool:
+    # rich Live does not redraw on TERM=dumb (nor off a terminal): it would show nothing at all
+    return console.is_terminal and not console.is_dumb_terminal
 
 
 class Dashboard:
     """Rank 0's dashboard thread: sample every rank, then draw (live), print (plain) and log
-    (metrics file). Each of those sinks fails alone: logged once, switched off; the thread and
-    the engine go on.
+    (metrics file). Each of those sinks fails alone: logged once, switched off (live: plain lines
+    instead); the thread and the engine go on.
 
     Args:
         topology: the job's topology (duck-typed: name, world_size, ranks, experts), or None.
         reader: the transport's reading end; its `world_size` is the ranks expected.
-        mode: "live", "plain" or "off". "live" without a terminal falls back to "plain".
+        mode: "live", "plain" or "off". "live" without a terminal (or on TERM=dumb) is "plain".
         metrics_file: append a JSON line per `metrics_every_s` here (any mode).
         console: where to draw / print (default: stdout).
         refresh_hz: samples (and live redraws) per second.
@@ -95,7 +123,7 @@ class Dashboard:
             raise ValueError(f"dashboard mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.topology = topology
         self.console = console or Console()
-        self.mode = "plain" if mode == "live" and not self.console.is_terminal else mode
+        self.mode = "plain" if mode == "live" and not _can_redraw(self.console) else mode
         self.metrics_file = Path(metrics_file) if metrics_file is not None else None
         self.sampler = ClusterSampler(reader, reader.world_size, stale_after_s=stale_after_s)
         self.period_s = 1.0 / refresh_hz
@@ -145,10 +173,10 @@ class Dashboard:
         while self._sinks and not self._stop.wait(self.period_s):
             self.tick()
 
-    def tick(self, *, force: bool = False) -> ClusterSnapshot:
+    def tick(self, *, force: bool = False, failed: bool = False) -> ClusterSnapshot:
         """Sample once and feed every sink that is due, or all with `force` (the thread calls
-        this; tests may too)."""
-        cluster = self.sampler.sample()
+        this; tests may too). `failed`: see `ClusterSampler.sample`."""
+        cluster = self.sampler.sample(failed=failed)
         self.last = cluster
         self.throughput.append(cluster.tokens_per_s)
         if self.busiest is None or cluster.tokens_per_s >= self.busiest[0].tokens_per_s:
@@ -212,11 +240,18 @@ class Dashboard:
         except Exception as err:
             # The dashboard must never take serving down: report once, drop this sink only.
             self.failed[sink] = f"{type(err).__name__}: {err}"
-            log.exception("dashboard %s output failed; it is switched off, serving continues", sink)
+            log.error(
+                "dashboard %s output failed (%s); it is switched off, serving continues",
+                sink,
+                self.failed[sink],
+                exc_info=not isinstance(err, OSError),  # a path or a disk needs no traceback; a bug does
+            )
             if sink in self._sinks:
                 self._sinks.remove(sink)
             if sink == "live":
                 self._close_live()
+                if "plain" not in self._sinks:  # still show the run, in plain lines
+                    self._sinks.append("plain")
 
     def _close_live(self) -> None:
         live, self._live = self._live, None
@@ -226,8 +261,13 @@ class Dashboard:
             except Exception:
                 log.debug("closing the live display failed", exc_info=True)
 
-    def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop the thread (waiting at most `timeout_s`), draw a last frame, close. Idempotent."""
+    def stop(self, timeout_s: float = 2.0, *, failed: bool = False) -> None:
+        """Stop the thread (waiting at most `timeout_s`), draw a last frame, close. Idempotent.
+
+        Args:
+            failed: the job is failing: the last frame shows a rank that has not published its
+                "stopped" snapshot as "unknown", not by the age of its last one.
+        """
         if self._state != "started":
             self._state = "stopped"
             return
@@ -237,7 +277,8 @@ class Dashboard:
             self._thread.join(timeout_s)
         if self._thread is None or not self._thread.is_alive():
             if self._sinks:
-                self.tick(force=True)  # the final state, so a short run still shows (and logs) its end
+                # the final state, so that a short run still shows (and logs) its end
+                self.tick(force=True, failed=failed)
             self._sinks = []
         self._close_live()
         if self._file is not None:

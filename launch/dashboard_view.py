@@ -31,7 +31,7 @@ from zerodram.runtime.metrics.summary import fmt_bytes, fmt_rate
 SPARK = "▁▂▃▄▅▆▇█"
 PHASE_COLORS = {"attention": "cyan", "dispatch": "magenta", "experts": "green", "combine": "yellow"}
 PHASE_COLORS["sampling"] = "blue"
-STATUS_STYLE = {"ok": "green", "stale": "yellow", "missing": "red", "stopped": "dim"}
+STATUS_STYLE = {"ok": "green", "stale": "yellow", "missing": "red", "stopped": "dim", "unknown": "red"}
 LEVEL_STYLE = {"warning": "yellow", "error": "red", "timeout": "bold red"}
 # Relative-error thresholds of the KV-quality strip: below the first is green, below the second
 # yellow, else red. FP2 K/V carry ~0.3 relative error per element by design; the score error is
@@ -43,12 +43,17 @@ KV_ERR_THRESHOLDS = (0.2, 0.4)
 
 
 def sparkline(values: Sequence[float], width: int) -> str:
-    """The last `width` values as block characters scaled to their max."""
+    """The last `width` values as block characters scaled to their max ("-" for a NaN or inf)."""
     vals = list(values)[-width:]
-    top = max(vals, default=0.0)
-    if top <= 0:
-        return SPARK[0] * len(vals)
-    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in vals)
+    top = max((v for v in vals if math.isfinite(v)), default=0.0)
+    steps = len(SPARK) - 1
+
+    def glyph(v: float) -> str:
+        if not math.isfinite(v):
+            return "-"
+        return SPARK[min(max(int(v / top * steps + 0.5), 0), steps)] if top > 0 else SPARK[0]
+
+    return "".join(glyph(v) for v in vals)
 
 
 def _heat(value: float, mean: float) -> Style:
@@ -67,6 +72,10 @@ def _heat(value: float, mean: float) -> Style:
 def _bar(frac: float, width: int, style: str = "green") -> Text:
     filled = round(min(max(frac, 0.0), 1.0) * width)
     return Text.assemble(("█" * filled, style), ("░" * (width - filled), "grey35"))
+
+
+def _pct(frac: float) -> str:
+    return f"{frac:.1%}" if math.isfinite(frac) else "-"
 
 
 def _line(*parts: Any) -> Text:
@@ -95,7 +104,8 @@ def _ms(status: RankStatus, which: str) -> float | None:
     phase = snap.phase("total") if snap is not None else None
     if phase is None or phase.num_samples == 0:
         return None
-    return phase.p50_ms if which == "p50" else phase.p99_ms
+    ms = phase.p50_ms if which == "p50" else phase.p99_ms
+    return ms if math.isfinite(ms) else None
 
 
 def _state(status: RankStatus) -> Text:
@@ -107,13 +117,16 @@ def _state(status: RankStatus) -> Text:
 
 def _phase_mix(status: RankStatus, width: int) -> Text:
     snap = status.snapshot
-    means = [(p, snap.phase(p)) for p in PHASES] if snap is not None else []
-    total = sum(s.mean_ms for _, s in means if s is not None)
+    stats = [snap.phase(p) for p in PHASES] if snap is not None else []
+    means = [s.mean_ms if s is not None else 0.0 for s in stats]
+    total = sum(means)
+    if not math.isfinite(total):  # a NaN or inf mean: no honest mix to draw
+        return Text("-")
     if total <= 0:
         return Text("")
     out, used = Text(), 0
-    for i, (name, stats) in enumerate(means):
-        n = width - used if i == len(means) - 1 else round(stats.mean_ms / total * width) if stats else 0
+    for i, (name, mean) in enumerate(zip(PHASES, means, strict=True)):
+        n = width - used if i == len(means) - 1 else round(mean / total * width)
         out.append("█" * max(n, 0), style=PHASE_COLORS[name])
         used += max(n, 0)
     return out
@@ -282,9 +295,9 @@ def _kv_quality(cluster: ClusterSnapshot, width: int, thresholds: tuple[float, f
     ss = [w[2] for w in worst.values() if w[2] is not None]
     bad = max(worst, key=lambda i: err(i) or 0.0)
     summary = _line(
-        f"K {sum(ks) / len(ks):.1%}  V {sum(vs) / len(vs):.1%}",
-        f"  q·k {sum(ss) / len(ss):.1%}" if ss else "",
-        f"  worst L{bad} {err(bad):.1%}  ({samples} samples)",
+        f"K {_pct(sum(ks) / len(ks))}  V {_pct(sum(vs) / len(vs))}",
+        f"  q·k {_pct(sum(ss) / len(ss))}" if ss else "",
+        f"  worst L{bad} {_pct(err(bad))}  ({samples} samples)",
     )
     title = "KV quality · rel. error vs full precision, worst rank per layer"
     return Panel(Group(strip, summary), title=title, title_align="left", box=box.ROUNDED, padding=(0, 1))
@@ -299,7 +312,10 @@ def _warnings(cluster: ClusterSnapshot, num_lines: int) -> Panel:
     if cluster.error:
         lines.append(_line(("transport: ", "bold red"), cluster.error))
     for w, rank in recent[: max(num_lines - len(lines), 0)]:
-        stamp = time.strftime("%H:%M:%S", time.localtime(w.time_s))
+        try:
+            stamp = time.strftime("%H:%M:%S", time.localtime(w.time_s))
+        except (ValueError, OverflowError, OSError):  # a NaN or absurd clock on that rank
+            stamp = "--:--:--"
         lines.append(_line(f"{stamp} r{rank} ", (f"{w.level}: ", LEVEL_STYLE.get(w.level, "")), w.message))
     snaps = [s.snapshot for s in cluster.ranks if s.snapshot is not None]
     counts = [sum(getattr(s, f) for s in snaps) for f in ("num_warnings", "num_errors", "num_timeouts")]

@@ -27,6 +27,7 @@ PROMPTS = (
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     from zerodram.launch.dashboard import add_dashboard_args
+    from zerodram.runtime.argtypes import int_at_least
     from zerodram.runtime.engine.jobs import add_engine_args
 
     p = argparse.ArgumentParser(prog="demo", description="serve the packaged SmolLM2 as experts")
@@ -34,13 +35,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     # 64 pages x 32 tokens (2048 tokens per rank): ample for the demo, and its KV bars show
     p.set_defaults(num_kv_pages=64)
     add_dashboard_args(p)
-    p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=40, help="tokens per answer")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: four built-in)")
     return p.parse_args(argv)
 
 
 def demo_job(ctx: Any, argv: list[str]) -> int:
-    """The demo worker job; returns 0. Every rank runs it (the engine loop is collective)."""
+    """The demo worker job. Every rank runs it (the engine loop is collective); rank 0 returns 1
+    when an answer failed or the --svg could not be saved, else 0."""
     import torch
 
     from zerodram.launch.observe import observe
@@ -65,7 +67,7 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
     if len(params) > 2:  # one sampled answer among the greedy ones
         params[2] = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=7)
     t1 = time.perf_counter()
-    with engine, observe(ctx, engine, args):
+    with engine, observe(ctx, engine, args) as dash:
         outs = engine.generate(prompts, params, chat=True)
     if ctx.rank == 0:
         secs = time.perf_counter() - t1
@@ -78,15 +80,20 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
             f"{ctx.world_size} ranks), total {time.perf_counter() - t0:.1f}s"
         )
         sys.stdout.flush()
+        return 1 if any(o.error is not None for o in outs) or "svg" in dash.failed else 0
     return 0
 
 
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.launch import launcher
+    from zerodram.launch.dashboard import check_output_paths
 
     rest = list(args.job_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
+    # Here, once, before torchrun starts: --help, a bad value or an unwritable output path is
+    # answered by one process, not by every rank (and not after the model loaded).
+    check_output_paths(_parse(rest))
     port = args.master_port
     if port is None and _single_host(args.topology):
         port = _free_port()  # a second demo (or a test) on this host must not collide on 29500

@@ -12,18 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from zerodram.runtime.argtypes import int_at_least
+
 
 def _run(args: argparse.Namespace) -> int:
-    from zerodram.runtime.errors import ConfigError
     from zerodram.runtime.kv.format import parse_kv_spec
     from zerodram.runtime.kv_eval import require_eval_extra
 
     for kv in args.kv:
         parse_kv_spec(kv)  # reject a bad spec before minutes of model loading
-    if args.ctx < 2:
-        raise ConfigError(f"--ctx must be at least 2 tokens, got {args.ctx}")
-    if args.windows < 1:
-        raise ConfigError(f"--windows must be at least 1, got {args.windows}")
     require_eval_extra()
 
     import torch
@@ -71,7 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="smollm2", help="'smollm2', a GGUF file or an HF model directory")
     p.add_argument("--text", default="pydoc", help="'pydoc' (the stdlib's pydoc_data topics) or a UTF-8 file")
-    p.add_argument("--ctx", type=int, default=2048, help="tokens per perplexity window (default 2048)")
+    p.add_argument(
+        "--ctx", type=int_at_least(2), default=2048, help="tokens per perplexity window (default 2048)"
+    )
     p.add_argument(
         "--kv",
         action="append",
@@ -79,26 +78,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="KV format, e.g. bf16, fp8, int4, kivi2, fp2, fp2:kblk=c32,tail=32 (repeatable)",
     )
-    p.add_argument("--windows", type=int, default=4, help="consecutive windows scored (default 4)")
+    p.add_argument(
+        "--windows", type=int_at_least(1), default=4, help="consecutive windows scored (default 4)"
+    )
     p.add_argument(
         "--first-window",
-        type=int,
+        type=int_at_least(0),
         default=0,
         help="index of the first window (default 0; a nonzero value gives a development split)",
     )
     p.add_argument(
         "--needle-ctx",
-        type=int,
+        type=int_at_least(0),
         default=None,
         help="passkey prompt length (default: the model's limit; 0 skips)",
     )
-    p.add_argument("--needle-trials", type=int, default=3, help="passkey prompts (default 3)")
+    p.add_argument(
+        "--needle-trials", type=int_at_least(0), default=3, help="passkey prompts (default 3; 0 skips)"
+    )
     p.add_argument(
         "--calib-tokens",
-        type=int,
+        type=int_at_least(1),
         default=2048,
         help="calibration window taken from the end of the text (default 2048; FP2 anchors / levels)",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int_at_least(0), default=0, help="torch CPU threads (default 0: torch's choice)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per --kv on stdout")
     p.set_defaults(func=_run)

@@ -52,15 +52,18 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from zerodram.runtime.argtypes import int_at_least
     from zerodram.runtime.engine.jobs import add_engine_args
 
     p = sub.add_parser(
         "generate",
         help="generate text for prompts in this process (no torchrun)",
-        description="Load a model in this process and generate for each --prompt.",
+        description="Load a model in this process and generate for each --prompt (text: the model "
+        "needs a tokenizer; a random:NAME model has none, so serve it token ids instead: zerodram serve "
+        "with \"prompt_ids\" request lines).",
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)

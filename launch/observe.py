@@ -7,14 +7,19 @@ Every rank records its engine's metrics and publishes snapshots (runtime/metrics
 the dashboard thread (live on a terminal, plain lines otherwise, JSON lines to --metrics-file).
 On a clean exit every rank publishes its final numbers and waits for the others, so rank 0's last
 frame shows the whole run with every rank still "ok"; after an error nobody waits
-(the job is failing anyway), and a barrier that fails (a peer failed) counts as an error.
+(the job is failing anyway), a barrier that fails (a peer failed) counts as an error, and rank 0's
+last frame shows a rank that has not said it stopped as "unknown" (it may have died).
+An `--svg` that cannot be saved is reported (and kept in `dash.failed["svg"]`), never raised: the
+run's results must still come out.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -37,7 +42,7 @@ def observe(
         console: where rank 0 draws (default stdout; serve passes stderr when stdout carries results).
     """
     collector, agent = start_metrics(engine, ctx)
-    dash = None
+    dash, failed = None, False
     if ctx.rank == 0:
         console = console or Console()
         dash = Dashboard(
@@ -55,11 +60,11 @@ def observe(
         if dash is not None:
             dash.stop()
             if args.svg is not None:
-                args.svg.parent.mkdir(parents=True, exist_ok=True)
-                dash.export(*SVG_SIZE, frame="busiest").save_svg(str(args.svg), title="zerodram demo")
+                _save_svg(dash, args.svg)
         ctx.barrier("last frame drawn")  # before any rank's agent publishes "stopped"
     except BaseException as err:  # the job's, or a barrier's: a peer failed
         collector.failed(err)
+        failed = True
         raise
     finally:
         # Whichever way the block ends, both threads stop (a live one left at exit can abort the
@@ -67,4 +72,13 @@ def observe(
         # above, so that rank 0's last frame says why (both stops are idempotent).
         agent.stop()
         if dash is not None:
-            dash.stop()
+            dash.stop(failed=failed)
+
+
+def _save_svg(dash: Dashboard, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dash.export(*SVG_SIZE, frame="busiest").save_svg(str(path), title="zerodram demo")
+    except OSError as err:  # checked before the run (check_output_paths), yet the disk may say no
+        dash.failed["svg"] = f"{type(err).__name__}: {err}"
+        print(f"zerodram: error: could not save --svg {path}: {err}", file=sys.stderr, flush=True)

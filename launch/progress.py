@@ -64,7 +64,8 @@ class _NoProgress(ProgressHandle):
 def progress_bar(
     total: int, description: str, *, console: Console | None = None, enabled: bool = True
 ) -> Iterator[ProgressHandle]:
-    """A progress display for `total` items: rich Progress on a terminal, plain lines otherwise.
+    """A progress display for `total` items: rich Progress on a terminal (not TERM=dumb), plain
+    lines otherwise.
 
     Args:
         total: items expected.
@@ -76,7 +77,7 @@ def progress_bar(
         yield _NoProgress()
         return
     console = console or Console()
-    if not console.is_terminal:
+    if not console.is_terminal or console.is_dumb_terminal:  # rich does not redraw on TERM=dumb
         yield ProgressHandle(total, description, console, None)
         return
     columns = (

@@ -14,14 +14,9 @@ import sys
 from typing import Any
 
 
-def serve_job(ctx: Any, argv: list[str]) -> int:
-    """The serve worker job; returns 0. Every rank runs it; rank 0 reads and writes."""
-    import torch
-    from rich.console import Console
-
+def _parse(argv: list[str]) -> argparse.Namespace:
     from zerodram.launch.dashboard import add_dashboard_args
-    from zerodram.launch.observe import observe
-    from zerodram.runtime.engine.jobs import add_engine_args, build_from_args, serve_lines
+    from zerodram.runtime.engine.jobs import add_engine_args
 
     p = argparse.ArgumentParser(prog="serve", description="serve JSON-lines requests on every rank")
     add_engine_args(p)
@@ -29,7 +24,18 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
     p.add_argument("--input", default="-", help="requests file (JSON lines; - = stdin), rank 0")
     p.add_argument("--output", default="-", help="results file (JSON lines; - = stdout), rank 0")
     p.add_argument("--stream", action="store_true", help="a line per sampled token, then the result")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def serve_job(ctx: Any, argv: list[str]) -> int:
+    """The serve worker job; returns 0. Every rank runs it; rank 0 reads and writes."""
+    import torch
+    from rich.console import Console
+
+    from zerodram.launch.observe import observe
+    from zerodram.runtime.engine.jobs import build_from_args, serve_lines
+
+    args = _parse(argv)
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # several ranks share few cores
     with build_from_args(args, ctx) as engine:
@@ -54,10 +60,16 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
 
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.launch import launcher
+    from zerodram.launch.dashboard import check_output_paths
 
     rest = list(args.job_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
+    # Here, once, before torchrun starts: --help or a bad value is answered by one process, not by
+    # every rank; the output paths are rank 0's, which runs on node 0.
+    job_args = _parse(rest)
+    if args.node_rank == 0:
+        check_output_paths(job_args)
     ns = argparse.Namespace(
         topology=args.topology,
         node_rank=args.node_rank,

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,11 +17,11 @@ import pytest
 from multirank import run_ranks
 from rich.console import Console
 
-from zerodram.launch.dashboard import Dashboard, dashboard_mode
+from zerodram.launch.dashboard import Dashboard, check_output_paths, dashboard_mode
 from zerodram.launch.dashboard_view import render, sparkline
-from zerodram.launch.observe import observe
+from zerodram.launch.observe import _save_svg, observe
 from zerodram.launch.progress import progress_bar
-from zerodram.runtime.errors import RankTimeoutError
+from zerodram.runtime.errors import ConfigError, RankTimeoutError
 from zerodram.runtime.metrics import (
     PHASES,
     ClusterSampler,
@@ -158,6 +159,32 @@ def test_sparkline() -> None:
     assert sparkline([0, 1, 2, 4], 10) == "▁▃▅█"
     assert sparkline([5, 5, 5], 2) == "██"
     assert sparkline([], 5) == ""
+    assert sparkline([2, float("nan"), 4, float("inf"), -4], 10) == "▅-█-▁"
+
+
+def test_render_draws_non_finite_numbers_as_dashes(topo4) -> None:
+    """One NaN or inf from a rank must not break the view (the live sink would go off)."""
+    nan, inf = float("nan"), float("inf")
+    snaps = {}
+    for r in range(4):
+        good = make_snapshot(r, 4, 32)
+        phases = tuple(PhaseStats(p.name, nan, inf, inf if r % 2 else nan, 5) for p in good.phases)
+        snaps[r] = replace(
+            good,
+            phases=phases,
+            tokens_per_s=inf,
+            send_bytes_per_s=(nan,) * 4,
+            kv_quality=(KvQualityLayer(0, inf, nan, inf, 3),),
+            recent_warnings=(WarningRecord(nan, "warning", "odd clock"), WarningRecord(1e30, "error", "far")),
+        )
+    cluster = ClusterSnapshot.from_snapshots(snaps, 4)
+    text = to_text(render(cluster, topo4, width=140, height=60, throughput=[1.0, nan, inf]), 140)
+    row = next(line for line in text.splitlines() if "  r1 cpu" in line)
+    assert row.split()[3:6] == ["-", "-", "-"], row  # p50, p99, tok/s
+    assert "--:--:-- r0 warning: odd clock" in text
+    assert "worst L0 -" in text
+    assert "nan" not in text.lower() and "inf " not in text
+    assert plain_line(cluster, "t", 1.0).startswith("zerodram t t=1s | 4/4 ok | - tok/s | run")
 
 
 def _bus_with_data(world_size: int = 4) -> InProcessBus:
@@ -181,6 +208,56 @@ def test_live_mode_falls_back_to_plain_without_a_terminal(topo4) -> None:
     assert lines
     assert all(line.startswith("zerodram local-cpu-4") for line in lines)
     assert "4/4 ok" in lines[-1]
+
+
+def test_a_dumb_terminal_gets_plain_lines(topo4, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERM", "dumb")  # rich Live would not redraw there: nothing would show
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    assert dashboard_mode(False, console) == "plain"
+    dash = Dashboard(topo4, _bus_with_data().reader(), mode="live", console=console)
+    assert dash.mode == "plain"
+    dash.start()
+    dash.stop()
+    assert out.getvalue().startswith("zerodram local-cpu-4")
+
+
+def test_the_last_frame_after_a_failure_does_not_call_a_silent_rank_ok(topo4) -> None:
+    bus = _bus_with_data()
+    for r in (0, 1, 3):  # rank 2 says nothing more: killed
+        bus.publisher(r).publish(replace(make_snapshot(r, 4, 32), seq=2, state="stopped").to_json())
+    out = io.StringIO()
+    dash = Dashboard(topo4, bus.reader(), mode="plain", console=Console(file=out, width=300)).start()
+    dash.stop(failed=True)
+    assert [s.status for s in dash.last.ranks] == ["stopped", "stopped", "unknown", "stopped"]
+    assert out.getvalue().splitlines()[-1].endswith("| not fresh: r2 unknown")
+    frame = to_text(dash.view(dash.last, 140, 60), 140)
+    assert "unknown" in next(line for line in frame.splitlines() if "  r2 cpu" in line)
+
+
+def test_unwritable_output_paths_are_refused_up_front(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+
+    def check(metrics_file: Path | None = None, svg: Path | None = None) -> None:
+        check_output_paths(argparse.Namespace(metrics_file=metrics_file, svg=svg))
+
+    check(tmp_path / "new" / "m.jsonl", tmp_path / "file")  # folders are made when written; files reused
+    with pytest.raises(ConfigError, match=r"--metrics-file .* is a directory; give a file path"):
+        check(metrics_file=tmp_path)
+    with pytest.raises(ConfigError, match=r"--svg .*/file/x\.svg: .*/file is not a directory"):
+        check(svg=tmp_path / "file" / "x.svg")
+
+
+def test_an_svg_that_cannot_be_saved_is_reported_not_raised(
+    tmp_path: Path, topo4, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    dash = Dashboard(topo4, _bus_with_data().reader(), mode="plain", console=Console(file=io.StringIO()))
+    dash.start()
+    dash.stop()
+    _save_svg(dash, tmp_path / "file" / "x.svg")
+    assert "could not save --svg" in capsys.readouterr().err
+    assert "svg" in dash.failed
 
 
 def test_metrics_file_gets_json_lines(tmp_path: Path, topo4) -> None:
@@ -221,6 +298,7 @@ def test_a_render_failure_is_logged_once_and_does_not_propagate(
     assert "RuntimeError: cannot draw" in dash.failed["live"]
     assert len([r for r in caplog.records if "live" in r.getMessage()]) == 1
     assert len(path.read_text().splitlines()) >= 4, "the other sinks go on"
+    assert "zerodram local-cpu-4 t=" in console.file.getvalue(), "plain lines instead of the live view"
 
 
 class _BrokenReader(MetricsReader):

@@ -56,6 +56,53 @@ def test_master_port_outside_tcp_ports_is_an_error(port: int) -> None:
         plan_launch("local-cpu-4", 0, port, ["smoke"])
 
 
+def test_bench_without_a_subcommand_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: zerodram bench")
+    assert "dispatch" in out and "decode" in out
+
+
+def test_demo_answers_help_and_bad_options_once_before_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--", "--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.count("usage: demo") == 1
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--dry-run", "--", "--max-tokens", "-3"])
+    assert info.value.code == 2
+    assert "argument --max-tokens: expected an integer >= 1, got '-3'" in capsys.readouterr().err
+    assert main(["demo", "--dry-run", "--", "--svg", "/dev/null/x.svg"]) == 2
+    err = capsys.readouterr().err
+    assert "--svg /dev/null/x.svg: /dev/null is not a directory" in err
+    assert "torch.distributed.run" not in err, "refused before the launch"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--threads", "-1"),
+        ("--needle-trials", "-1"),
+        ("--needle-ctx", "-5"),
+        ("--ctx", "1"),
+        ("--windows", "0"),
+    ],
+)
+def test_eval_kv_refuses_bad_numbers_when_parsing(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["eval-kv", "--kv", "fp2", flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: expected an integer >= " in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    cli = f"{sys.executable} -m zerodram.launch.cli topo check local-cpu-4 local-cpu-4"
+    proc = subprocess.run(["bash", "-c", f"{cli} | head -c 0"], capture_output=True, text=True, timeout=60)
+    assert proc.stderr == ""
+
+
 def _env(rank: int, world: int, local_world: int | None = None, node: int = 0) -> TorchrunEnv:
     return TorchrunEnv(
         rank=rank,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 
@@ -14,6 +15,7 @@ from zerodram.runtime.errors import RankTimeoutError
 from zerodram.runtime.metrics import (
     PHASES,
     ClusterSampler,
+    ClusterSnapshot,
     CpuStepTimer,
     InProcessBus,
     KvQualitySampler,
@@ -28,6 +30,7 @@ from zerodram.runtime.metrics import (
 )
 from zerodram.runtime.metrics.collector import percentile
 from zerodram.runtime.metrics.counters import CounterVector, RateWindow
+from zerodram.runtime.metrics.summary import json_line
 
 
 def _busy(seconds: float) -> None:
@@ -204,6 +207,34 @@ def test_cluster_sampler_marks_stale_missing_and_stopped() -> None:
     ranks = sampler.sample().ranks
     assert [r.status for r in ranks] == ["ok", "stale", "stopped", "missing"]
     assert ranks[1].age_s == pytest.approx(3.0)
+
+
+def test_the_last_sample_of_a_failing_job_does_not_vouch_for_unconfirmed_ranks() -> None:
+    """A rank killed a second ago still has a fresh snapshot; only "stopped" is known for sure."""
+    bus = InProcessBus(3)
+    sampler = ClusterSampler(bus.reader(), 3)
+    bus.publisher(0).publish(_snap(0, 1, state="stopped"))
+    bus.publisher(1).publish(_snap(1, 1))
+    assert [r.status for r in sampler.sample().ranks] == ["stopped", "ok", "missing"]
+    assert [r.status for r in sampler.sample(failed=True).ranks] == ["stopped", "unknown", "missing"]
+
+
+def test_json_line_is_strict_json() -> None:
+    """All-zero K rows make an infinite relative error: the JSON line says null, not Infinity."""
+    c = MetricsCollector(0, 1, num_layers=1, kv_quality_period=1)
+    zeros = torch.zeros(4, 8)
+    c.kv_quality.maybe_sample(0, zeros, zeros + 0.01, zeros, zeros, torch.randn(2, 8))
+    snap = c.snapshot()
+    assert snap.kv_quality[0].k_rel_err == float("inf")
+    line = json_line(ClusterSnapshot.from_snapshots({0: snap}, 1), float("nan"))
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    record = json.loads(line, parse_constant=refuse)
+    assert record["elapsed_s"] is None
+    quality = record["ranks"][0]["snapshot"]["kv_quality"][0]
+    assert (quality["k_rel_err"], quality["v_rel_err"], quality["score_rel_err"]) == (None, 0.0, None)
 
 
 class _BrokenReader(MetricsReader):

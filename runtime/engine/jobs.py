@@ -27,6 +27,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from zerodram.runtime.argtypes import int_at_least
 from zerodram.runtime.engine.config import EngineConfig
 from zerodram.runtime.engine.request import RequestError, SamplingParams
 from zerodram.runtime.engine.scheduler import SchedulerConfig
@@ -42,16 +43,6 @@ def kv_format_arg(text: str) -> str:
         return check_engine_kv_format(text)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-calibration-save", default=None, metavar="PATH", help="save the FP2 constants here")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights / compute dtype")
-    p.add_argument("--experts", type=_at_least_one, default=None, help="experts to slice a dense model into")
+    p.add_argument("--experts", type=int_at_least(1), default=None, help="experts to slice a dense model into")
     p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages per rank")
     p.add_argument(
         "--page-size", type=int, default=None, help=f"tokens per KV page (default the topology's kv.page_size, else {kv.page_size})"

@@ -4,6 +4,8 @@
 is *stale* when its `seq` has not changed for `stale_after_s` seconds of rank 0's monotonic clock
 (never by comparing wall clocks of different hosts), or when it has never published ("missing").
 A transport failure makes every rank stale for that sample; it never raises into the caller.
+The last sample of a failing job (`sample(failed=True)`) calls a rank that has not published its
+"stopped" snapshot *unknown*: its last numbers may be fresh, yet it may have died since.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from zerodram.runtime.metrics.snapshot import RankSnapshot
 from zerodram.runtime.metrics.transport import MetricsReader
 
-RANK_STATUSES = ("ok", "stale", "missing", "stopped")
+RANK_STATUSES = ("ok", "stale", "missing", "stopped", "unknown")
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,13 @@ class ClusterSampler:
         self._latest: dict[int, RankSnapshot] = {}
         self._changed_at: dict[int, float] = {}
 
-    def sample(self) -> ClusterSnapshot:
-        """Read every rank once; never raises for transport or decoding failures."""
+    def sample(self, *, failed: bool = False) -> ClusterSnapshot:
+        """Read every rank once; never raises for transport or decoding failures.
+
+        Args:
+            failed: the job is failing (the last sample): a rank seen but not "stopped" is
+                "unknown" rather than judged by the age of its snapshot.
+        """
         now = self._clock()
         error = None
         transport_failed = False
@@ -125,6 +132,8 @@ class ClusterSampler:
             age = now - self._changed_at[r]
             if snap.state == "stopped":
                 status = "stopped"
+            elif failed:
+                status = "unknown"
             elif age > self.stale_after_s or transport_failed:
                 status = "stale"
             else:

@@ -11,7 +11,9 @@ parallelism every rank waits for the slowest at dispatch and combine.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
+from typing import Any
 
 from zerodram.runtime.metrics.cluster import ClusterSnapshot
 
@@ -19,14 +21,18 @@ JSON_LINE_VERSION = 1
 
 
 def fmt_rate(value: float) -> str:
-    """Tokens/s as shown everywhere: 12.3k, 456, 7.8."""
+    """Tokens/s as shown everywhere: 12.3k, 456, 7.8 ("-" for NaN or inf)."""
+    if not math.isfinite(value):
+        return "-"
     if value >= 1e4:
         return f"{value / 1e3:.1f}k"
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def fmt_bytes(num: float) -> str:
-    """Binary units: 512 B, 3.2 KiB, 1.5 GiB."""
+    """Binary units: 512 B, 3.2 KiB, 1.5 GiB ("-" for NaN or inf)."""
+    if not math.isfinite(num):
+        return "-"
     if abs(num) < 1024:
         return f"{num:.0f} B"
     for unit in ("KiB", "MiB", "GiB"):
@@ -39,6 +45,7 @@ def fmt_bytes(num: float) -> str:
 def worst_step_ms(cluster: ClusterSnapshot) -> tuple[float, float] | None:
     """(p50, p99) of the total step, the max over fresh ranks; None before any step was timed."""
     stats = [p for p in (s.phase("total") for s in cluster.live) if p is not None and p.num_samples]
+    stats = [p for p in stats if math.isfinite(p.p50_ms) and math.isfinite(p.p99_ms)]
     if not stats:
         return None
     return max(p.p50_ms for p in stats), max(p.p99_ms for p in stats)
@@ -79,10 +86,11 @@ def plain_line(cluster: ClusterSnapshot, name: str, elapsed_s: float) -> str:
 
 
 def json_line(cluster: ClusterSnapshot, elapsed_s: float) -> str:
-    """One JSON object (no newline): cluster totals plus every rank's status and snapshot.
+    """One strict JSON object (no newline): cluster totals plus every rank's status and snapshot.
 
     Keys: v, time_s, elapsed_s, tokens_per_s, step_p50_ms, step_p99_ms, error, ranks: [{rank,
-    status, age_s, snapshot: RankSnapshot fields or null}].
+    status, age_s, snapshot: RankSnapshot fields or null}]. A NaN or infinite number is written
+    as null (JSON has no such numbers; a relative error over all-zero K rows is infinite).
     """
     step = worst_step_ms(cluster)
     record = {
@@ -103,4 +111,14 @@ def json_line(cluster: ClusterSnapshot, elapsed_s: float) -> str:
             for s in cluster.ranks
         ],
     }
-    return json.dumps(record, separators=(",", ":"))
+    return json.dumps(_finite(record), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
