@@ -1,7 +1,10 @@
-"""Loading: expert placement, sharded safetensors reads, GGUF tensors and tokenizer, random weights."""
+"""Loading: expert placement, sharded safetensors reads, GGUF tensors and tokenizer, random weights,
+and the checkpoints refused at load (by file and tensor) instead of served wrong."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 import torch
 
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.loading.checkpoint import ModelSpec
+from zerodram.runtime.loading.checkpoint import ModelSpec, load_for_rank
 from zerodram.runtime.loading.placement import ExpertPlacement
 from zerodram.runtime.loading.random_init import random_weights
 from zerodram.runtime.loading.sources import SafetensorsDir
@@ -343,11 +346,200 @@ def test_qwen_gguf_vocabulary_splits_as_transformers_does(tmp_path: Path) -> Non
 def test_random_dense_sliced_configs_follow_the_expert_count() -> None:
     """random:smollm2-135m (its FFN served as 1 expert) is cut again into one expert per rank, or
     into --experts; a real MoE config refuses another expert count."""
-    from zerodram.runtime.loading.checkpoint import load_for_rank
-
     rm = load_for_rank(ModelSpec.parse("random:smollm2-135m"), 1, 2, dtype=torch.bfloat16)
     assert (rm.config.num_experts, rm.config.num_experts_per_tok) == (2, 2)
     assert rm.placement.local_experts(1) == (1,)
     assert load_for_rank(ModelSpec.parse("random:smollm2-135m"), 0, 1, num_experts=3).config.num_experts == 3
     with pytest.raises(ConfigError, match="slices dense models only"):
         load_for_rank(ModelSpec.parse("random:tiny-moe"), 0, 1, num_experts=3)
+
+
+def _tiny_dir(
+    path: Path, cfg: dict | None = None, edit: Callable[[dict], object] | None = None, experts: int = 0
+) -> Path:
+    """A tiny Llama checkpoint dir (V 64, D 32, 4 heads of 8, 2 kv heads, FFN 48, 2 layers), or a
+    Mixtral one with `experts` experts of width 48; `cfg` overrides config.json's fields and `edit`
+    changes the tensors (a dict by name) before they are saved."""
+    from safetensors.torch import save_file
+
+    V, D, F, L = 64, 32, 48, 2
+    base = {
+        "model_type": "mixtral" if experts else "llama",
+        "vocab_size": V,
+        "hidden_size": D,
+        "num_hidden_layers": L,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": F,
+        "tie_word_embeddings": False,
+    }
+    if experts:
+        base.update(num_local_experts=experts, num_experts_per_tok=2)
+    gen = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(L):
+        c = f"model.layers.{i}."
+        t |= {c + "input_layernorm.weight": (D,), c + "post_attention_layernorm.weight": (D,)}
+        t |= {c + f"self_attn.{n}_proj.weight": (16 if n in "kv" else 32, D) for n in "qkv"}
+        t[c + "self_attn.o_proj.weight"] = (D, 32)
+        if experts:
+            t[c + "block_sparse_moe.gate.weight"] = (experts, D)
+            for e in range(experts):
+                x = f"{c}block_sparse_moe.experts.{e}."
+                t |= {x + "w1.weight": (F, D), x + "w3.weight": (F, D), x + "w2.weight": (D, F)}
+        else:
+            t |= {c + "mlp.gate_proj.weight": (F, D), c + "mlp.up_proj.weight": (F, D)}
+            t[c + "mlp.down_proj.weight"] = (D, F)
+    tensors = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in t.items()}
+    if edit is not None:
+        edit(tensors)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**base, **(cfg or {})}))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_tiny_checkpoint_loads_dense_and_sliced(tmp_path: Path) -> None:
+    """The unedited tiny checkpoints load (so the refusals below are the edits'); --experts 4 cuts
+    the dense FFN of 48 into 4 experts of 12."""
+    assert load_for_rank(ModelSpec.parse(str(_tiny_dir(tmp_path / "d"))), 0, 1).config.num_experts == 0
+    sliced = load_for_rank(ModelSpec.parse(str(tmp_path / "d")), 0, 1, num_experts=4)
+    assert sliced.weights["layers.1.experts.gate"].shape == (4, 12, 32)
+    moe = load_for_rank(ModelSpec.parse(str(_tiny_dir(tmp_path / "m", experts=4))), 0, 1, num_experts=4)
+    assert moe.weights["layers.0.experts.down"].shape == (4, 32, 48)
+
+
+L0 = "model.layers.0."
+
+
+@pytest.mark.parametrize(
+    ("cfg", "edit", "experts", "match"),
+    [
+        # quantized weights: the config's quantization_config, or tensors that are not floats
+        ({"quantization_config": {"quant_method": "fp8"}}, None, 0, "quant_method 'fp8'"),
+        (
+            None,
+            lambda t: t.update({L0 + "mlp.up_proj.weight": torch.zeros(48, 32, dtype=torch.int8)}),
+            0,
+            "I8",
+        ),
+        (
+            None,
+            lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)}),
+            0,
+            "F8_E4M3",
+        ),
+        # shapes the config does not imply
+        (
+            None,
+            lambda t: t.update({L0 + "self_attn.q_proj.weight": torch.zeros(16, 32)}),
+            0,
+            r"\[16, 32\].*\[32, 32\]",
+        ),
+        (
+            None,
+            lambda t: t.update({"model.norm.weight": torch.ones(1)}),
+            0,
+            r"'model.norm.weight' has shape \[1\]",
+        ),
+        (None, lambda t: t.update({"lm_head.weight": torch.zeros(80, 32)}), 0, r"\[80, 32\].*\[64, 32\]"),
+        (None, lambda t: t.update({L0 + "mlp.down_proj.weight": torch.zeros(32, 64)}), 0, r"\[D, F\]"),
+        ({"num_local_experts": 2}, None, 4, r"gate.weight' has shape \[4, 32\].*\[2, 32\]"),
+        (None, lambda t: t.update({L0 + "block_sparse_moe.gate.weight": torch.zeros(32, 4)}), 4, r"\[E, D\]"),
+        (
+            None,
+            lambda t: t.update({L0 + "block_sparse_moe.experts.2.w1.weight": torch.zeros(30, 32)}),
+            4,
+            "M, D",
+        ),
+        (
+            None,
+            lambda t: t.update({L0 + "block_sparse_moe.experts.4.w1.weight": torch.zeros(48, 32)}),
+            4,
+            "4 experts",
+        ),
+        # silent fallbacks: an untied head that is missing, biases the model would not apply
+        (None, lambda t: t.pop("lm_head.weight"), 0, "no tensor 'lm_head.weight'"),
+        (
+            None,
+            lambda t: t.update({L0 + "self_attn.q_proj.bias": torch.zeros(32)}),
+            0,
+            "bias the config does not use",
+        ),
+        ({"mlp_bias": True}, None, 0, "mlp_bias"),
+        ({"attention_bias": True}, None, 0, "attention_bias"),
+    ],
+)
+def test_checkpoints_the_config_does_not_describe_are_refused(
+    tmp_path: Path, cfg: dict | None, edit: Callable | None, experts: int, match: str
+) -> None:
+    path = _tiny_dir(tmp_path / "ckpt", cfg, edit, experts)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_for_rank(ModelSpec.parse(str(path)), 0, 1)
+    assert str(path) in str(err.value)
+
+
+def test_unreadable_checkpoint_files_are_refused_by_name(tmp_path: Path) -> None:
+    path = _tiny_dir(tmp_path / "ckpt")
+    shard = path / "model.safetensors"
+    whole = shard.read_bytes()
+    for broken in (b"", b"\x13" * 64, whole[: len(whole) // 2]):  # empty, random, truncated
+        shard.write_bytes(broken)
+        with pytest.raises(ConfigError, match="not a readable safetensors file") as err:
+            SafetensorsDir(path)
+        assert str(shard) in str(err.value)
+    shard.write_bytes(whole)
+    (path / "zz-stale.safetensors").write_bytes(whole)  # every tensor in two shards: which is right?
+    with pytest.raises(ConfigError, match=r"in two shards: model\.safetensors and zz-stale\.safetensors"):
+        SafetensorsDir(path)
+    (path / "zz-stale.safetensors").unlink()
+    for text, match in (
+        ("{", r"config\.json:1:2: not valid JSON"),
+        ("[1, 2]", r"config\.json: must be a JSON object"),
+    ):
+        (path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_for_rank(ModelSpec.parse(str(path)), 0, 1)
+
+
+def test_experts_option_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
+    """--experts slices a dense FFN: refused for a Hugging Face MoE dir (as for random:tiny-moe) and
+    for a width that does not divide (48 into 5)."""
+    moe = _tiny_dir(tmp_path / "moe", experts=4)
+    with pytest.raises(ConfigError, match="has 4 experts; --experts slices dense models only"):
+        load_for_rank(ModelSpec.parse(str(moe)), 0, 1, num_experts=2)
+    dense = _tiny_dir(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="intermediate_size=48 does not split into 5 experts") as err:
+        load_for_rank(ModelSpec.parse(str(dense)), 0, 1, num_experts=5)
+    assert str(dense) in str(err.value)
+
+
+def test_broken_gguf_files_are_refused_by_name(tmp_path: Path) -> None:
+    """A GGUF cut short anywhere, or without a required header field, is refused naming the file."""
+    import gguf
+
+    from zerodram.runtime.loading.gguf_file import GGUFFile
+
+    def write(path: Path, heads: bool) -> bytes:
+        out = gguf.GGUFWriter(str(path), "llama")
+        out.add_block_count(1)
+        out.add_embedding_length(8)
+        if heads:
+            out.add_head_count(2)
+        out.add_token_list([f"<t{i}>" for i in range(16)])
+        out.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+        out.write_header_to_file()
+        out.write_kv_data_to_file()
+        out.write_tensors_to_file()
+        out.close()
+        return path.read_bytes()
+
+    path = tmp_path / "tiny.gguf"
+    whole = write(path, heads=True)
+    for size in range(0, len(whole), 37):
+        path.write_bytes(whole[:size])
+        with pytest.raises(ConfigError, match=r"tiny\.gguf"):
+            GGUFFile(path)
+    write(path, heads=False)
+    with pytest.raises(ConfigError, match=r"tiny\.gguf: GGUF header has no 'llama.attention.head_count'"):
+        GGUFFile(path)

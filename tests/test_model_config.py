@@ -182,3 +182,54 @@ def test_smollm2_shaped_config_has_smollm2s_parameter_count() -> None:
     cfg = named_config("smollm2-135m")
     assert cfg.param_counts() == (134_515_008, 134_515_008)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.router_kind) == (1, 1, "dense_slices")
+
+
+_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"hidden_size": None}, "field 'hidden_size': is missing"),
+        ({"hidden_size": "thirty-two"}, "field 'hidden_size': must be an integer, got \"thirty-two\""),
+        ({"hidden_size": 32.7}, "field 'hidden_size': must be an integer, got 32.7"),
+        ({"num_hidden_layers": True}, "field 'num_hidden_layers': must be an integer, got true"),
+        ({"num_attention_heads": 0}, "field 'num_attention_heads': num_heads must be > 0"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads=3"),
+        ({"intermediate_size": None}, "field 'intermediate_size': .*dense layers"),
+        ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings': must be a boolean"),
+        ({"eos_token_id": ["a"]}, "field 'eos_token_id': must be an integer or a list of integers"),
+        ({"rope_scaling": 2.0}, "field 'rope_scaling': must be a JSON object or null, got 2.0"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": "x"}},
+            "field 'rope_scaling.factor': must be a number",
+        ),
+        ({"rope_scaling": {"rope_type": "linear"}}, "field 'rope_scaling.factor': is missing"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be > 0"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+        ({"mlp_bias": True}, "field 'mlp_bias': biases on the MLP"),
+        ({"attention_bias": True}, "field 'attention_bias'"),
+    ],
+)
+def test_bad_hf_configs_name_the_file_and_field(edit: dict, match: str) -> None:
+    """config.json is parsed with strict JSON types (no int("32.7"), no bool("false")); every
+    refusal, those of ModelConfig's own checks included, names the file and the field."""
+    with pytest.raises(ConfigError, match=match) as err:
+        ModelConfig.from_hf_dict({**_LLAMA, **edit}, source="ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json: ")
+
+
+def test_a_config_that_is_not_a_json_object_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^ckpt/config\.json: must be a JSON object, got list"):
+        ModelConfig.from_hf_dict([1, 2], source="ckpt/config.json")
+    ok = ModelConfig.from_hf_dict(
+        {**_LLAMA, "head_dim": None, "eos_token_id": [1, 2], "tie_word_embeddings": True}
+    )
+    assert (ok.head_dim, ok.eos_token_ids, ok.tie_word_embeddings) == (8, (1, 2), True)

@@ -115,12 +115,9 @@ def load_for_rank(
         from zerodram.runtime.model.named import named_config
 
         config = named_config(spec.name)
+        _refuse_other_expert_count(config, num_experts, f"random:{spec.name}")
         if config.router_kind == "dense_slices" and (num_experts or world_size) != config.num_experts:
             config = config.as_dense_moe(num_experts or world_size)  # the dense FFN cut again
-        elif num_experts and config.is_moe and num_experts != config.num_experts:
-            raise ConfigError(
-                f"random:{spec.name} has {config.num_experts} experts; --experts slices dense models only"
-            )
         placement = (
             ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
         )
@@ -129,10 +126,25 @@ def load_for_rank(
     ckpt = checkpoint_dir(spec)
     source = SafetensorsDir(ckpt)
     config = ModelConfig.from_hf_dict(source.config_dict(), source=str(ckpt / "config.json"))
-    if not config.is_moe and (spec.as_moe or world_size > 1):
-        config = config.as_dense_moe(num_experts or world_size)
+    _refuse_other_expert_count(config, num_experts, str(spec.path))
+    if not config.is_moe and (spec.as_moe or world_size > 1 or num_experts):
+        try:
+            config = config.as_dense_moe(num_experts or world_size)
+        except ConfigError as err:
+            raise ConfigError(f"{spec.path}: {err.message}") from None
     placement = ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
     w = load_model_weights(source, config, placement, rank, dtype=dtype, device=device)
     source.close()
     tok_dir = ckpt if (ckpt / "tokenizer.json").is_file() else None
     return RankModel(config, w, placement, tok_dir, spec.name)
+
+
+def _refuse_other_expert_count(config: ModelConfig, num_experts: int | None, what: str) -> None:
+    """A real MoE model has its own experts: --experts may only restate their number."""
+    if (
+        num_experts
+        and config.is_moe
+        and config.router_kind != "dense_slices"
+        and num_experts != config.num_experts
+    ):
+        raise ConfigError(f"{what} has {config.num_experts} experts; --experts slices dense models only")

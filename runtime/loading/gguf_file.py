@@ -84,7 +84,7 @@ class GGUFFile:
         self.path = Path(path)
         try:
             self.reader = gguf.GGUFReader(str(self.path))
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, IndexError) as err:  # IndexError: a header cut short
             raise ConfigError(f"{self.path}: not a readable GGUF file: {err}") from None
         self.arch = _field(self.reader, "general.architecture")
         if self.arch not in _ARCHS:
@@ -112,8 +112,8 @@ class GGUFFile:
         r, a = self.reader, self.arch
         if any(t.name == "rope_freqs.weight" for t in r.tensors):
             raise ConfigError(f"{self.path}: llama3 rope frequency tensors in GGUF are not supported")
-        heads = int(_field(r, f"{a}.attention.head_count"))
-        hidden = int(_field(r, f"{a}.embedding_length"))
+        heads = int(self._need(f"{a}.attention.head_count"))
+        hidden = int(self._need(f"{a}.embedding_length"))
         tokens = r.fields.get("tokenizer.ggml.tokens")
         cfg: dict[str, Any] = {
             "model_type": _ARCHS[a],
@@ -121,10 +121,10 @@ class GGUFFile:
             "vocab_size": int(_field(r, f"{a}.vocab_size", len(tokens.data) if tokens else 0)),
             "hidden_size": hidden,
             "intermediate_size": int(_field(r, f"{a}.feed_forward_length", 0)),
-            "num_hidden_layers": int(_field(r, f"{a}.block_count")),
+            "num_hidden_layers": int(self._need(f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(_field(r, f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(_field(r, f"{a}.attention.key_length", hidden // heads)),
+            "head_dim": int(_field(r, f"{a}.attention.key_length", hidden // heads if heads else 0)),
             "rms_norm_eps": float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(_field(r, f"{a}.rope.freq_base", 10000.0)),
             "max_position_embeddings": int(_field(r, f"{a}.context_length", 4096)),
@@ -136,7 +136,7 @@ class GGUFFile:
         if scaling not in (None, "none"):
             if scaling not in ("linear", "yarn"):
                 raise ConfigError(f"{self.path}: GGUF rope scaling {scaling!r} not supported (linear, yarn)")
-            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(_field(r, f"{a}.rope.scaling.factor"))}
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(self._need(f"{a}.rope.scaling.factor"))}
             if scaling == "yarn":
                 original = _field(r, f"{a}.rope.scaling.original_context_length")
                 if original is not None:
@@ -145,11 +145,11 @@ class GGUFFile:
         if a == "llama" and experts:
             cfg.update(model_type="mixtral", num_local_experts=experts)
         if experts:
-            cfg["num_experts_per_tok"] = int(_field(r, f"{a}.expert_used_count"))
+            cfg["num_experts_per_tok"] = int(self._need(f"{a}.expert_used_count"))
         if a in ("qwen2moe", "qwen3moe"):
             cfg.update(
                 num_experts=experts,
-                moe_intermediate_size=int(_field(r, f"{a}.expert_feed_forward_length")),
+                moe_intermediate_size=int(self._need(f"{a}.expert_feed_forward_length")),
                 # llama.cpp renormalises the top-k of qwen3moe, not of qwen2moe, unless the file says
                 norm_topk_prob=bool(_field(r, f"{a}.expert_weights_norm", a == "qwen3moe")),
             )
@@ -160,6 +160,12 @@ class GGUFFile:
         if a.startswith("qwen2"):
             cfg["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in r.tensors)
         return cfg
+
+    def _need(self, key: str) -> Any:
+        value = _field(self.reader, key)
+        if value is None:
+            raise ConfigError(f"{self.path}: GGUF header has no {key!r} (required)")
+        return value
 
     def config_dict(self) -> dict[str, Any]:
         return dict(self._hf)

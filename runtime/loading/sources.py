@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from zerodram.runtime.errors import ConfigError
 
+# Safetensors dtypes read as they are; anything else (float8, integers) is quantized data whose
+# scales this loader does not apply.
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
 
 class TensorSource(Protocol):
+    path: Path  # the checkpoint, for error messages
+
     def has(self, name: str) -> bool: ...
+
+    def names(self) -> list[str]: ...
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
@@ -32,11 +40,12 @@ class SafetensorsDir:
     """A Hugging Face checkpoint directory: `config.json` plus `*.safetensors` shards.
 
     Raises:
-        ConfigError: no config.json or no safetensors shard in `path`.
+        ConfigError: no config.json or no safetensors shard in `path`, a shard that is not a
+            readable safetensors file, or one tensor in two shards.
     """
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
@@ -44,26 +53,50 @@ class SafetensorsDir:
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise ConfigError(f"{self.path} has no *.safetensors shards (only safetensors are supported)")
-        self._handles = {s.name: safe_open(str(s), framework="pt") for s in shards}
+        self._handles = {}
         self._where: dict[str, str] = {}
-        for shard, handle in self._handles.items():
+        for shard in shards:
+            try:
+                handle = self._handles[shard.name] = safe_open(str(shard), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ConfigError(f"{shard}: not a readable safetensors file: {err}") from None
             for key in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                self._where[key] = shard
+                if key in self._where:  # which copy is right is unknowable; refuse rather than guess
+                    raise ConfigError(
+                        f"{self.path}: tensor {key!r} is in two shards: {self._where[key]} and {shard.name}"
+                    )
+                self._where[key] = shard.name
 
-    def config_dict(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
+    def config_dict(self) -> Any:
+        """config.json as parsed JSON (any JSON value: `ModelConfig.from_hf_dict` checks it)."""
+        path = self.path / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"not valid JSON: {err.msg}", path=str(path), line=err.lineno, column=err.colno
+            ) from None
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
     def _slice(self, name: str):
         try:
-            return self._handles[self._where[name]].get_slice(name)
+            sl = self._handles[self._where[name]].get_slice(name)
         except KeyError:
             raise ConfigError(f"{self.path}: checkpoint has no tensor {name!r}") from None
+        if sl.get_dtype() not in _FLOAT_DTYPES:
+            raise ConfigError(
+                f"{self.path / self._where[name]}: tensor {name!r} is {sl.get_dtype()}; only "
+                f"{', '.join(_FLOAT_DTYPES)} tensors are supported (quantized checkpoints are not)"
+            )
+        return sl
 
     def read(
         self, name: str, dim0: slice | list[int] | None = None, dim1: slice | None = None

@@ -16,6 +16,7 @@ which reproduces the dense model exactly.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -116,6 +117,11 @@ class ModelConfig:
                 raise ConfigError("the dense-slices router routes every token to all experts")
         if self.moe_layer_step < 1:
             raise ConfigError(f"moe_layer_step must be >= 1, got {self.moe_layer_step}")
+        if self.intermediate_size <= 0 and not all(map(self.is_moe_layer, range(self.num_layers))):
+            raise ConfigError(
+                f"intermediate_size must be > 0 (the model has dense layers), got {self.intermediate_size}",
+                field="intermediate_size",
+            )
 
     # --- derived ---------------------------------------------------------------------------
 
@@ -202,98 +208,163 @@ class ModelConfig:
     # --- parsing ---------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+    def from_hf_dict(cls, cfg: Any, *, source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face `config.json` (transformers 4.x or 5.x spelling).
 
         Raises:
-            ConfigError: unknown model type, or a feature this runtime does not implement.
+            ConfigError (naming `source` and the field): not a JSON object, a missing or mistyped
+                field, unknown model type, or a feature this runtime does not implement.
         """
-        model_type = cfg.get("model_type", "")
-        if model_type not in _HF_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} not supported (supported: {sorted(_HF_TYPES)})", path=source
-            )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} not supported (SwiGLU needs silu)", path=source)
-        D = int(cfg["hidden_size"])
-        H = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or D // H
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        kw: dict[str, Any] = {
-            "arch": model_type,
-            "vocab_size": int(cfg["vocab_size"]),
-            "hidden_size": D,
-            "num_layers": int(cfg["num_hidden_layers"]),
-            "num_heads": H,
-            "num_kv_heads": int(cfg.get("num_key_value_heads") or H),
-            "head_dim": int(head_dim),
-            "intermediate_size": int(cfg.get("intermediate_size") or 0),
-            "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
-            "bos_token_id": cfg.get("bos_token_id"),
-            "eos_token_ids": eos_ids,
-            "attention_bias": bool(cfg.get("attention_bias", False)),
-        }
-        kw["rope_theta"], kw["rope_scaling"] = _parse_rope(cfg, source)
-        if model_type == "mixtral":
-            kw.update(
-                num_experts=int(cfg["num_local_experts"]),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=kw["intermediate_size"],
-                norm_topk_prob=True,
-            )
-        elif model_type in ("qwen2_moe", "qwen3_moe"):
-            if cfg.get("mlp_only_layers"):
-                raise ConfigError("mlp_only_layers is not supported", path=source)
-            kw.update(
-                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts")),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                moe_layer_step=int(cfg.get("decoder_sparse_step", 1)),
-            )
-            if model_type == "qwen2_moe":
-                kw["attention_bias"] = bool(cfg.get("qkv_bias", True))
-                kw["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size", 0))
-                kw["shared_expert_gate"] = kw["shared_expert_intermediate_size"] > 0
-        if model_type in ("qwen3", "qwen3_moe"):
-            kw["qk_norm"] = True
-        if model_type == "qwen2":
-            kw["attention_bias"] = True
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
-            raise ConfigError("sliding-window attention is not supported", path=source)
-        return cls(**kw)
+        try:
+            return cls(**_hf_fields(cfg))
+        except ConfigError as err:
+            if err.path is not None:
+                raise
+            raise ConfigError(err.message, path=source, field=_HF_NAMES.get(err.field, err.field)) from None
 
 
+# ModelConfig's field names that config.json spells otherwise, for errors found past parsing
+_HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
 _HF_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+_REQUIRED = object()
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean (true / false)", str: "a string"}
 
 
-def _parse_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = merged.get("rope_type", merged.get("type", "default"))
+def _get(d: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED, *, within: str = "") -> Any:
+    """`d[key]` checked to be of JSON type `kind`; absent or null gives `default` (an error when
+    required). Types are strict: `bool("false")` is True and `int(32.7)` is 32, so no coercion,
+    and JSON's true / false (Python ints) are booleans only."""
+    value = d.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError("is missing (required)", field=within + key)
+        return default
+    ok = isinstance(value, (int, float) if kind is float else kind)
+    if not ok or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"must be {_JSON_TYPES[kind]}, got {json.dumps(value)}", field=within + key)
+    return float(value) if kind is float else value
+
+
+def _hf_fields(cfg: Any) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments from a parsed config.json (errors carry no path)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"must be a JSON object, got {type(cfg).__name__}")
+    model_type = _get(cfg, "model_type", str, "")
+    if model_type not in _HF_TYPES:
+        raise ConfigError(f"model_type {model_type!r} not supported (supported: {sorted(_HF_TYPES)})")
+    quant = cfg.get("quantization_config")
+    if quant is not None:  # their weights need scales this loader does not read
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"quantized checkpoints (quant_method {method!r}) are not supported; use float32 / float16 / "
+            "bfloat16 weights, or a GGUF file",
+            field="quantization_config",
+        )
+    act = _get(cfg, "hidden_act", str, "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} not supported (SwiGLU needs silu)")
+    if _get(cfg, "mlp_bias", bool, False):
+        raise ConfigError("biases on the MLP projections are not supported", field="mlp_bias")
+    # Qwen2's q/k/v biases are implied by its model type; elsewhere attention_bias adds o_proj's too
+    if model_type not in ("qwen2", "qwen2_moe") and _get(cfg, "attention_bias", bool, False):
+        raise ConfigError("biases on the attention projections are not supported", field="attention_bias")
+    D = _get(cfg, "hidden_size", int)
+    H = _get(cfg, "num_attention_heads", int)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+        raise ConfigError(
+            f"must be an integer or a list of integers, got {json.dumps(eos)}", field="eos_token_id"
+        )
+    kw: dict[str, Any] = {
+        "arch": model_type,
+        "vocab_size": _get(cfg, "vocab_size", int),
+        "hidden_size": D,
+        "num_layers": _get(cfg, "num_hidden_layers", int),
+        "num_heads": H,
+        "num_kv_heads": _get(cfg, "num_key_value_heads", int, H),
+        "head_dim": _get(cfg, "head_dim", int, D // H if H else 0),  # zero heads: refused by ModelConfig
+        "intermediate_size": _get(cfg, "intermediate_size", int, 0),
+        "rms_norm_eps": _get(cfg, "rms_norm_eps", float, 1e-6),
+        "tie_word_embeddings": _get(cfg, "tie_word_embeddings", bool, False),
+        "max_position_embeddings": _get(cfg, "max_position_embeddings", int, 4096),
+        "bos_token_id": _get(cfg, "bos_token_id", int, None),
+        "eos_token_ids": eos_ids,
+    }
+    kw["rope_theta"], kw["rope_scaling"] = _parse_rope(cfg)
+    if model_type == "mixtral":
+        kw.update(
+            num_experts=_get(cfg, "num_local_experts", int),
+            num_experts_per_tok=_get(cfg, "num_experts_per_tok", int),
+            moe_intermediate_size=kw["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        if cfg.get("mlp_only_layers"):
+            raise ConfigError("mlp_only_layers is not supported", field="mlp_only_layers")
+        kw.update(
+            num_experts=_get(cfg, "num_experts", int, 0) or _get(cfg, "num_local_experts", int),
+            num_experts_per_tok=_get(cfg, "num_experts_per_tok", int),
+            moe_intermediate_size=_get(cfg, "moe_intermediate_size", int),
+            norm_topk_prob=_get(cfg, "norm_topk_prob", bool, False),
+            moe_layer_step=_get(cfg, "decoder_sparse_step", int, 1),
+        )
+        if model_type == "qwen2_moe":
+            kw["attention_bias"] = _get(cfg, "qkv_bias", bool, True)
+            kw["shared_expert_intermediate_size"] = _get(cfg, "shared_expert_intermediate_size", int, 0)
+            kw["shared_expert_gate"] = kw["shared_expert_intermediate_size"] > 0
+    if model_type in ("qwen3", "qwen3_moe"):
+        kw["qk_norm"] = True
+    if model_type == "qwen2":
+        kw["attention_bias"] = True
+    sliding = _get(cfg, "use_sliding_window", bool, model_type == "mistral")
+    if sliding and _get(cfg, "sliding_window", int, None):
+        raise ConfigError("sliding-window attention is not supported", field="sliding_window")
+    return kw
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
+    merged: dict[str, Any] = {}
+    within: dict[str, str] = {}  # which section each key came from, for errors
+    for section in ("rope_scaling", "rope_parameters"):  # transformers 5's rope_parameters wins
+        values = cfg.get(section)
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"must be a JSON object or null, got {json.dumps(values)}", field=section)
+        merged.update(values or {})
+        within.update(dict.fromkeys(values or {}, section + "."))
+
+    # the section a missing key belongs to
+    absent = "rope_parameters." if cfg.get("rope_parameters") is not None else "rope_scaling."
+
+    def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+        return _get(merged, key, kind, default, within=within.get(key, absent))
+
+    theta = get("rope_theta", float, None)
+    theta = _get(cfg, "rope_theta", float, 10000.0) if theta is None else theta
+    kind = get("rope_type", str, None) or get("type", str, "default")
     if kind not in ROPE_KINDS:
-        raise ConfigError(f"rope type {kind!r} not supported (supported: {ROPE_KINDS})", path=source)
+        raise ConfigError(f"rope type {kind!r} not supported (supported: {ROPE_KINDS})")
     if kind == "default":
         return theta, RopeScaling()
-    original = int(merged.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)))
-    factor = merged.get("factor")
-    if factor is None and kind == "yarn":  # DeepSeek-V3 style: the ratio of the two context lengths
-        factor = cfg.get("max_position_embeddings", original) / original
-    optional = {k: merged.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")}
+    max_positions = _get(cfg, "max_position_embeddings", int, 8192)
+    llama3 = kind == "llama3"  # transformers requires all of llama3's parameters
+    original = get("original_max_position_embeddings", int, _REQUIRED if llama3 else max_positions)
+    if original <= 0:
+        raise ConfigError(f"original_max_position_embeddings must be > 0, got {original}")
+    # DeepSeek-V3 style YaRN may leave out the factor: the ratio of the two context lengths
+    factor = get("factor", float, max_positions / original if kind == "yarn" else _REQUIRED)
     return theta, RopeScaling(
         kind=kind,
-        factor=float(1.0 if factor is None else factor),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        factor=factor,
+        low_freq_factor=get("low_freq_factor", float, _REQUIRED if llama3 else 1.0),
+        high_freq_factor=get("high_freq_factor", float, _REQUIRED if llama3 else 4.0),
         original_max_position_embeddings=original,
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        truncate=bool(merged.get("truncate", True)),
-        **{k: None if v is None else float(v) for k, v in optional.items()},
+        beta_fast=get("beta_fast", float, 32.0),
+        beta_slow=get("beta_slow", float, 1.0),
+        truncate=get("truncate", bool, True),
+        **{k: get(k, float, None) for k in ("attention_factor", "mscale", "mscale_all_dim")},
     )
