@@ -232,9 +232,10 @@ def _rank_nvshmem_engine(
     ctx, model: str, prompts: list, max_tokens: int, kvs: tuple[str, ...], cuda_graphs: bool = False
 ) -> dict:
     """One rank of the engine over NVSHMEM: ranks from `run_ranks` (gloo), all on cuda:0 (several
-    PEs share the one GPU: correct, not fast), bf16 weights (NVSHMEM moves bf16 rows), the model's
-    FFN sliced into one expert per rank. Each engine is closed (collective) before the next; the
-    test gives each process one engine (NVSHMEM's init after a finalize is not promised here).
+    PEs share the one GPU: correct, not fast), bf16 weights (NVSHMEM moves bf16 rows), a dense model's
+    FFN sliced into one expert per rank (a MoE checkpoint keeps its own). Each engine is closed
+    (collective) before the next; the test gives each process one engine (NVSHMEM's init after a
+    finalize is not promised here).
     Returns per KV format (rank 0's tokens, the logits of this rank's requests)."""
     gctx = _pe_on_the_one_gpu(ctx)
     got = {}
@@ -243,9 +244,8 @@ def _rank_nvshmem_engine(
             kv_format=kv, num_kv_pages=64, page_size=32, scheduler=SchedulerConfig(4, 16, 4),
             cuda_graphs=cuda_graphs,
         )  # fmt: skip
-        engine = build_engine(
-            model, gctx, config, dtype="bf16", ep_backend="nvshmem", num_experts=ctx.world_size
-        )
+        # a dense model is sliced into one expert per rank by default; a MoE checkpoint keeps its own
+        engine = build_engine(model, gctx, config, dtype="bf16", ep_backend="nvshmem")
         with engine:
             world = engine.model._make_ep
             assert world.backend == "nvshmem" and world.session is not None
