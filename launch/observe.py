@@ -79,6 +79,7 @@ def _save_svg(dash: Dashboard, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         dash.export(*SVG_SIZE, frame="busiest").save_svg(str(path), title="zerodram demo")
-    except OSError as err:  # checked before the run (check_output_paths), yet the disk may say no
+    except Exception as err:  # the disk (checked before the run, yet it may say no) or the drawing:
+        # raising here would skip the next barrier and lose the run's answers
         dash.failed["svg"] = f"{type(err).__name__}: {err}"
-        print(f"zerodram: error: could not save --svg {path}: {err}", file=sys.stderr, flush=True)
+        print(f"zerodram: error: could not save --svg {path}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

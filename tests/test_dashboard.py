@@ -348,7 +348,8 @@ def _observe_while_rank_one_fails(ctx, metrics_file: str) -> tuple[str, list[str
 
     model = SimpleNamespace(config=SimpleNamespace(num_layers=1, hidden_size=16), dtype=torch.float32)
     engine = SimpleNamespace(
-        model=model, expert_to_rank=(0, 1), kv=None, attach_observer=lambda *args, **kwargs: None
+        model=model, expert_to_rank=(0, 1), expert_owners=((0,), (1,)), kv=None,
+        attach_observer=lambda *args, **kwargs: None,
     )
     args = argparse.Namespace(no_dashboard=True, metrics_file=Path(metrics_file), svg=None)
     try:

@@ -330,9 +330,10 @@ def test_a_kv_partition_past_memory_and_zero_experts_are_refused_by_name() -> No
 
     from zerodram.runtime.engine.jobs import add_engine_args
 
-    cfg = EngineConfig(kv_format="fp32", num_kv_pages=10**12, page_size=4, scheduler=SchedulerConfig(8, 32, 5))
-    with pytest.raises(ConfigError, match="does not fit in cpu memory: lower --num-kv-pages"):
-        build_engine("random:tiny-moe", None, cfg)
+    for kv, pages in (("fp32", 10**12), ("fp32", 10**17), ("bf16", 10**12)):  # allocator, size, page list
+        cfg = EngineConfig(kv_format=kv, num_kv_pages=pages, page_size=32, scheduler=SchedulerConfig(8, 32, 5))
+        with pytest.raises(ConfigError, match="does not fit in cpu memory: lower --num-kv-pages"):
+            build_engine("random:tiny-moe", None, cfg)
     p = argparse.ArgumentParser(exit_on_error=False)
     add_engine_args(p)
     with pytest.raises(argparse.ArgumentError, match="expected an integer >= 1, got '0'"):

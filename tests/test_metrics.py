@@ -358,3 +358,17 @@ def test_settle_probe_refuses_bad_cases_and_runs_only_on_a_gpu() -> None:
     out = run_bench(["settle", "--cases", "8:131072"])
     assert out.returncode == 2 and "--cases takes B:L:COUNTS" in out.stderr, out.stderr[-2000:]
     assert_refuses_without_gpu("settle")
+
+
+def test_dispatch_bytes_follow_the_owner_each_token_goes_to() -> None:
+    """A replicated expert's rows are counted at the owner the dispatch picks for each token,
+    owners[e][t % len(owners[e])], not all at its primary."""
+    from zerodram.runtime.engine.metrics_bridge import MetricsBridge
+
+    c = MetricsCollector(0, 2, "cpu", num_layers=1, expert_idx=range(3))
+    bridge = MetricsBridge(c, ((0,), (0, 1), (1,)), hidden=4, bytes_per_elem=2)
+    bridge.begin_step()
+    # tokens 0-2 pick expert 1 (ranks 0, 1, 0), token 3 expert 0 (rank 0), token 4 expert 2 (rank 1)
+    bridge.routed(0, torch.tensor([[1], [1], [1], [0], [2]]))
+    assert bridge._rows_to.tolist() == [3, 2]
+    assert bridge._counts.tolist() == [1, 3, 1]

@@ -99,7 +99,11 @@ def build_engine(
     )
     engine = Engine(model_, config, tokenizer=tokenizer, ctx=ctx, on_step=on_step)
     engine.model_name = rm.name
-    engine._expert_to_rank = rm.placement.expert_to_rank if rm.placement is not None else None
+    placement = rm.placement
+    engine._expert_to_rank = placement.expert_to_rank if placement is not None else None
+    engine._expert_owners = (
+        tuple(placement.owners(e) for e in range(placement.num_experts)) if placement is not None else None
+    )
     return engine
 
 

@@ -209,6 +209,11 @@ class Engine:
     def expert_to_rank(self) -> tuple[int, ...] | None:
         return getattr(self, "_expert_to_rank", None)
 
+    @property
+    def expert_owners(self) -> tuple[tuple[int, ...], ...] | None:
+        """Each expert's ranks, primary first (a topology's replicas after it)."""
+        return getattr(self, "_expert_owners", None)
+
     # --- requests ------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

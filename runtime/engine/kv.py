@@ -249,11 +249,16 @@ def make_kv_partition(
         return RuntimeKVPartition(
             kv_format, num_layers, num_kv_heads, head_dim, num_pages, page_size, compute_dtype, device, kv_params
         )
-    except (torch.OutOfMemoryError, RuntimeError) as err:
-        # the CPU allocator's failure is a plain RuntimeError; anything else is not ours to rename
-        if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err):
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        # MemoryError: the page allocator's free list; the CPU allocator's refusal and a size past
+        # int64 are plain RuntimeErrors, told by their text (any other is not ours to rename)
+        words = ("DefaultCPUAllocator", "size calculation overflowed")
+        if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) and not any(
+            w in str(err) for w in words
+        ):
             raise
         raise ConfigError(
             f"the KV partition ({num_layers} layers x {num_pages} pages of {page_size} tokens, {kv_format}) does "
-            f"not fit in {device} memory: lower --num-kv-pages or --page-size ({str(err).splitlines()[0]})"
+            f"not fit in {device} memory: lower --num-kv-pages or --page-size "
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"
         ) from None

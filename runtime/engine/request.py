@@ -160,11 +160,15 @@ def validate(
     params.check()
     if not prompt_ids:
         raise RequestError("empty prompt")
-    # an integer of any kind (numpy's too), never a bool (docs/engine.md) nor a float
-    kind = next(((i, t) for i, t in enumerate(prompt_ids) if not _is_integral(t)), None)
-    if kind is not None:
-        raise RequestError(f"prompt token ids must be integers; item {kind[0]} is {kind[1]!r} ({type(kind[1]).__name__})")
-    prompt_ids = [int(t) for t in prompt_ids]
+    # an integer of any kind (numpy's too), never a bool (docs/engine.md) nor a float; plain ints,
+    # the common case, skip the ABC check (rank 0 validates while every rank waits)
+    if not all(type(t) is int for t in prompt_ids):
+        kind = next(((i, t) for i, t in enumerate(prompt_ids) if not _is_integral(t)), None)
+        if kind is not None:
+            raise RequestError(
+                f"prompt token ids must be integers; item {kind[0]} is {kind[1]!r} ({type(kind[1]).__name__})"
+            )
+        prompt_ids = [int(t) for t in prompt_ids]
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"prompt token id {bad[0]} outside the vocabulary (size {vocab_size})")
@@ -179,4 +183,4 @@ def validate(
             f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} tokens "
             f"can never fit this rank's KV partition ({max_seq_tokens} tokens)"
         )
-    return Request(request_id, prompt_ids, params)
+    return Request(request_id, list(prompt_ids), params)

@@ -175,12 +175,10 @@ def _placement(ctx: object, rank: int, world_size: int, expert_to_rank: tuple[in
     when the topology places this model's experts (as the weights were loaded:
     `zerodram.runtime.loading.placement.ExpertPlacement.for_world`)."""
     from zerodram.runtime.comm import ExpertPlacement as CommPlacement
+    from zerodram.runtime.comm import from_topology
 
     topo = _placing_topology(ctx, len(expert_to_rank))
-    if topo is None:
-        return CommPlacement(rank, world_size, tuple(expert_to_rank))
-    replicas = tuple(tuple(topo.experts.owners(e))[1:] for e in range(len(expert_to_rank)))
-    return CommPlacement(rank, world_size, tuple(expert_to_rank), replicas, tuple(topo.ring.peers(rank)))
+    return CommPlacement(rank, world_size, tuple(expert_to_rank)) if topo is None else from_topology(topo, rank)
 
 
 def _placing_topology(ctx: object, num_experts: int):
