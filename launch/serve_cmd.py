@@ -49,7 +49,9 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
         console = Console(stderr=True) if fout is sys.stdout else None
         try:
             with observe(ctx, engine, args, console=console):
-                serve_lines(engine, fin, fout, stream=args.stream)
+                read_error = serve_lines(engine, fin, fout, stream=args.stream)
+            if read_error is not None:  # after observe's barriers: the other ranks end cleanly
+                raise read_error
         finally:
             if fin is not sys.stdin.buffer:
                 fin.close()

@@ -54,10 +54,10 @@ class EnvVar(Generic[T]):
         return value
 
 
-# Timeouts in seconds. Above a millisecond: zero or less would fail every wait at once. At most a
-# day: no single cross-rank wait legitimately takes longer, and the device kernels take the bound
-# as a uint64 of nanoseconds, which 1e12 s would overflow (a day is 8.6e13 ns).
-TIMEOUT_RANGE_S = (0.001, 86400.0)
+# Timeouts in seconds. Above a millisecond: zero or less would fail every wait at once. At most
+# 1e9 s: long enough to hold a rank in a debugger for days, while the device kernels take the
+# bound as a uint64 of nanoseconds, which 1.8e10 s would overflow.
+TIMEOUT_RANGE_S = (0.001, 1e9)
 
 
 def _default_cache_dir() -> Path:

@@ -147,7 +147,7 @@ def test_not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nonsense_timeouts_are_refused_by_name(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
     monkeypatch.setenv(var, value)
     env_var = getattr(ENVS, var.removeprefix("ZERODRAM_"))
-    with pytest.raises(ConfigError, match=rf"{var}='{value}' must be in \[0.001, 86400\]"):
+    with pytest.raises(ConfigError, match=rf"{var}='{value}' must be in \[0.001, 1e\+09\]"):
         env_var.get()
     monkeypatch.setenv(var, "0.5")
     assert env_var.get() == 0.5

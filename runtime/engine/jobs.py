@@ -1,7 +1,8 @@
 """What the serving commands share: engine options, building from them, and the JSON-lines loop.
 
     engine = build_from_args(args, ctx)                 # after add_engine_args(parser)
-    serve_lines(engine, sys.stdin, sys.stdout)          # every rank; rank 0 reads and writes
+    err = serve_lines(engine, sys.stdin.buffer, sys.stdout)  # every rank; rank 0 reads and writes, and
+                                                            # gets the error that ended its input early
 
 The worker jobs `serve` and `demo` themselves live in launch/ (they also show the dashboard).
 serve_lines: rank 0 reads one JSON object per line:
@@ -267,18 +268,22 @@ class TextDeltas:
         self._offsets.pop(request_id, None)
 
 
-def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> None:
+def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> ZerodramError | None:
     """Serve JSON-lines requests from `fin` until it ends (see the module docstring).
 
     Collective: every rank calls it; only rank 0 reads `fin` and writes `fout` (others pass None).
     stream: a line per sampled token before each request's final line.
+
+    Returns:
+        rank 0: the error that ended reading `fin` early, if one did (the requests read before it
+        were served); the caller raises it once the ranks are done together. Else None.
     """
     from zerodram.runtime.engine.lockstep import ListSource, run_lockstep
 
     if engine.rank != 0:
         for _ in run_lockstep(engine, ListSource([])):
             pass
-        return
+        return None
     source = LineSource(engine, fin)
     tokens: dict[int, list[int]] = {}
     deltas = TextDeltas(engine.tokenizer.decode) if stream and engine.tokenizer is not None else None
@@ -309,8 +314,11 @@ def serve_lines(engine: Any, fin: Any, fout: Any, *, stream: bool = False) -> No
             rec["text"] = engine.tokenizer.decode(ids)
         fout.write(json.dumps(rec) + "\n")
         fout.flush()
-    if source.error is not None:
-        raise ZerodramError(
-            f"reading the requests failed after {source.lines_read} request lines (those were served): "
-            f"{type(source.error).__name__}: {source.error}"
-        ) from source.error
+    if source.error is None:
+        return None
+    err = ZerodramError(
+        f"reading the requests failed after {source.lines_read} request lines (those were served): "
+        f"{type(source.error).__name__}: {source.error}"
+    )
+    err.__cause__ = source.error
+    return err
