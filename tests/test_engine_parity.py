@@ -166,3 +166,21 @@ def test_dense_as_moe_reproduces_the_dense_model() -> None:
         batch = ForwardBatch.build([], [(0, 0, list(range(5, 17)))], [True], torch.device("cpu"))
         logits.append(Transformer(cfg, weights).forward(batch, PagedAttention(kv, cfg.head_dim**-0.5)))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_expert_layout_serves_as_the_per_expert_one(tiny_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """transformers 5's own tensors (`mlp.experts.gate_up_proj` [E, 2M, D], `down_proj` [E, D, M]),
+    written from `state_dict()` rather than `save_pretrained`'s per-expert ones, pass the loader's
+    shape checks and serve transformers' greedy tokens."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tiny_ckpts["qwen3_moe"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in tensors), sorted(tensors)[:8]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    got = engine_greedy(str(tmp_path), None, PROMPTS, MAX_TOKENS, kv=PARITY_KV[0])
+    assert got == _CACHE["tiny"][1]["qwen3_moe"]
