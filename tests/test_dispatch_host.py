@@ -16,7 +16,7 @@ from multirank import run_ranks
 
 from zerodram.runtime.comm import EpLayout, ExpertPlacement, create_communicator
 from zerodram.runtime.comm.torch_dist import TorchDistComm
-from zerodram.runtime.errors import RankTimeoutError
+from zerodram.runtime.errors import ConfigError, RankTimeoutError
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def _one_rank_skips(ctx, skipper: int, wait_s: float) -> str:
     t0 = time.monotonic()
     try:
         comm.dispatch(
-            torch.zeros(2, D), topk_idx=torch.zeros(2, K, dtype=torch.int64), topk_weight=torch.ones(2, K)
+            torch.zeros(2, D), topk_idx=torch.arange(K).repeat(2, 1), topk_weight=torch.ones(2, K)  # experts 0..K-1
         )
     except RankTimeoutError as err:
         return f"{time.monotonic() - t0:.1f}s {err}"
@@ -110,7 +110,7 @@ def _late_after_the_peer_left(ctx) -> str:
     time.sleep(2.0)  # late: rank 0 is gone by now, so posting the counts fails at once
     try:
         comm.dispatch(
-            torch.zeros(2, D), topk_idx=torch.zeros(2, K, dtype=torch.int64), topk_weight=torch.ones(2, K)
+            torch.zeros(2, D), topk_idx=torch.arange(K).repeat(2, 1), topk_weight=torch.ones(2, K)  # experts 0..K-1
         )
     except RankTimeoutError as err:
         return str(err)
@@ -141,3 +141,22 @@ def test_all_to_all_errors_state_the_bound_that_applies(monkeypatch: pytest.Monk
         comm._all_to_all(torch.empty(0), torch.empty(0), [0, 0], [0, 0], "combine rows")
     assert str(info.value).startswith("rank 0/2: waiting for combine rows (all_to_all) failed after 0.0s")
     assert str(info.value).endswith("(limit: the process group's timeout): Connection reset by peer")
+
+
+def test_precomputed_routing_is_checked_before_anything_is_sent() -> None:
+    """Shapes and dtypes of topk_idx / topk_weight, logits and the router against the layout, and
+    (host tensors) ids below E and no expert twice in a token: a pair holds one slot per token."""
+    from zerodram.runtime.comm.base import _check_topk
+
+    T, ok = 3, torch.tensor([[0, 1], [2, -1], [3, 0]])
+    _check_topk(ok, torch.ones(T, K), T, K, E)
+    for idx, weight, message in (
+        (ok.float(), torch.ones(T, K), "integers"),
+        (ok, torch.ones(T, 1), r"topk_weight \(3, 1\)"),
+        (ok, None, "topk_weight none"),
+        (torch.tensor([[0, 1], [2, E], [3, 0]]), torch.ones(T, K), f"names expert {E}"),
+        (torch.tensor([[0, 1], [2, 2], [3, 0]]), torch.ones(T, K), r"token 1 picks an expert twice: \[2, 2\]"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            _check_topk(idx, weight, T, K, E)
+    _check_topk(torch.tensor([[-1, -1]] * T), torch.ones(T, K), T, K, E)  # masked twice is no expert

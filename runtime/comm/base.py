@@ -46,6 +46,27 @@ class DispatchOutput:
     handle: Any
 
 
+def _check_topk(idx: torch.Tensor, weight: torch.Tensor | None, T: int, K: int, E: int) -> None:
+    """Precomputed routing as the protocol needs it. Shapes and dtypes always; the ids' values
+    only where they are on the host (reading device values would sync every call): below E, and
+    no expert twice in a row, since a (expert, source) pair holds one slot per token (layout.py).
+    Negative ids mean no expert."""
+    if idx.shape != (T, K) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        raise ConfigError(f"topk_idx {tuple(idx.shape)} {idx.dtype}, layout expects [{T}, {K}] integers")
+    if weight is None or weight.shape != (T, K):
+        got = "none" if weight is None else tuple(weight.shape)
+        raise ConfigError(f"topk_weight {got}, layout expects [{T}, {K}] beside topk_idx")
+    if idx.device.type != "cpu" or not idx.numel():
+        return
+    if int(idx.max()) >= E:
+        raise ConfigError(f"topk_idx names expert {int(idx.max())}, the layout has {E}")
+    ids = idx.sort(dim=1).values  # [T, K]
+    twice = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)  # [T, K - 1]
+    if bool(twice.any()):
+        t = int(twice.nonzero()[0, 0])
+        raise ConfigError(f"token {t} picks an expert twice: {idx[t].tolist()}")
+
+
 @dataclass(frozen=True)
 class RouteInput:
     """Exactly one way of routing: precomputed (topk_idx, topk_weight), fp32 logits [T, E], or the
@@ -134,10 +155,18 @@ class Communicator(ABC):
         rin = RouteInput(topk_idx, topk_weight, logits, gate_weight)
         if rin.needs_router and self.router is None:
             raise ConfigError("dispatch from logits or gate weight needs a RouterConfig")
-        if rin.topk_idx is not None and rin.topk_idx.shape != (T, lay.top_k):
-            raise ConfigError(f"topk_idx {tuple(rin.topk_idx.shape)}, layout expects [{T}, {lay.top_k}]")
-        if self.router is not None and self.router.top_k != lay.top_k:
-            raise ConfigError(f"router top_k {self.router.top_k} differs from layout top_k {lay.top_k}")
+        E = lay.placement.num_experts
+        if rin.topk_idx is not None:
+            _check_topk(rin.topk_idx, rin.topk_weight, T, lay.top_k, E)
+        if rin.logits is not None and rin.logits.shape != (T, E):
+            raise ConfigError(f"logits {tuple(rin.logits.shape)}, layout expects [{T}, {E}]")
+        if rin.gate_weight is not None and rin.gate_weight.shape != (E, lay.hidden):
+            raise ConfigError(f"gate_weight {tuple(rin.gate_weight.shape)}, layout expects [{E}, {lay.hidden}]")
+        if self.router is not None and (self.router.top_k, self.router.num_experts) != (lay.top_k, E):
+            raise ConfigError(
+                f"router routes top {self.router.top_k} of {self.router.num_experts} experts, "
+                f"the layout top {lay.top_k} of {E}"
+            )
         return self._dispatch(x, rin)
 
     def route_on_host(self, x: torch.Tensor, rin: RouteInput) -> tuple[torch.Tensor, torch.Tensor]:
