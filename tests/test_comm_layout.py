@@ -146,3 +146,13 @@ def test_one_phase_heap_does_not_grow_with_the_layers() -> None:
     assert 400 << 20 < phase < 500 << 20  # DeepSeek-V3-like, EP 8, 128 tokens a rank: ~462 MiB
     assert heap_bytes(lay, 58) == 58 * 2 * phase + slack
     assert heap_bytes(lay, 58, one_phase=True) == heap_bytes(lay, 1, one_phase=True) == phase + slack
+
+
+def test_router_ties_go_to_the_lowest_expert_id_on_the_logits() -> None:
+    """The fused router's rule: the K largest logits, ties to the lowest id, chosen on the logits
+    (sigmoid scores saturate into ties the logits do not have)."""
+    idx, w = route(torch.zeros(3, 8), RouterConfig(8, 2))
+    assert idx.tolist() == [[0, 1]] * 3 and torch.allclose(w, torch.full((3, 2), 0.5))
+    logits = torch.tensor([[17.0, 18.0, 19.0, 20.0, 0.0, 0.0, 0.0, 0.0]])
+    idx, w = route(logits, RouterConfig(8, 2, scoring="sigmoid", renormalize=False))
+    assert idx.tolist() == [[3, 2]] and torch.equal(w, torch.ones(1, 2))  # the scores all round to 1

@@ -6,7 +6,7 @@ The math the fused CUDA router (`kernels/cuda/dispatch.cu`) reproduces, in fp32:
 
     logits   x @ gate_weight.T, accumulated in fp32                      # [T, E]
     scores   softmax(logits) over E, or sigmoid(logits)                   # [T, E]
-    choice   the K largest scores (ties: lowest expert id)                # [T, K]
+    choice   the K largest logits, largest first (ties: lowest expert id) # [T, K]
     weight   the chosen scores, divided by their sum when `renormalize`   # [T, K]
 """
 
@@ -68,7 +68,11 @@ def route(logits: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.
         raise ConfigError(f"router logits have {logits.shape[-1]} experts, config says {cfg.num_experts}")
     logits = logits.float()
     scores = torch.softmax(logits, -1) if cfg.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
-    weight, idx = torch.topk(scores, cfg.top_k, dim=-1, sorted=True)  # [T, K]
+    # Chosen on the logits, as the kernel chooses: the scores are monotonic in them but saturate
+    # (sigmoid 1.0) and round into ties the logits do not have. A stable sort keeps the lowest
+    # expert id first among equal logits; torch.topk promises no order among ties.
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., : cfg.top_k]  # [T, K]
+    weight = scores.gather(-1, idx)  # [T, K]
     if cfg.renormalize:
         weight = weight / weight.sum(-1, keepdim=True)
     return idx, weight
