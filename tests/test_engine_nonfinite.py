@@ -112,18 +112,18 @@ def test_scoring_stops_on_nonfinite_kv_and_leaves_no_record() -> None:
     from zerodram.runtime.errors import ZerodramError
 
     engine = _engine("fp32")
-    kv = engine.kv
+    kv, clean_write = engine.kv, engine.kv.write
 
-    def write(layer_idx, seq_id, start_pos, k, v, _orig=kv.write):
+    def write(layer_idx, seq_id, start_pos, k, v):
         if layer_idx == LAYER and start_pos == 4:
             k = k.clone()
             k[0, 0, 1] = float("nan")
-        return _orig(layer_idx, seq_id, start_pos, k, v)
+        return clean_write(layer_idx, seq_id, start_pos, k, v)
 
     kv.write = write
     with pytest.raises(ZerodramError, match=f"scoring stopped at tokens 4..7: non-finite K/V at layer {LAYER}"):
         score_tokens(engine, PROMPTS[0], chunk=4)
-    kv.write = write.__defaults__[0]
+    kv.write = clean_write
     assert engine.kv.take_nonfinite() == {}
     assert engine.kv.num_free_pages() == engine.kv.num_pages
     out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0]

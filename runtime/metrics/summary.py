@@ -44,8 +44,11 @@ def fmt_bytes(num: float) -> str:
 
 def worst_step_ms(cluster: ClusterSnapshot) -> tuple[float, float] | None:
     """(p50, p99) of the total step, the max over fresh ranks; None before any step was timed."""
-    stats = [p for p in (s.phase("total") for s in cluster.live) if p is not None and p.num_samples]
-    stats = [p for p in stats if math.isfinite(p.p50_ms) and math.isfinite(p.p99_ms)]
+    stats = [
+        p
+        for p in (s.phase("total") for s in cluster.live)
+        if p is not None and p.num_samples and math.isfinite(p.p50_ms) and math.isfinite(p.p99_ms)
+    ]
     if not stats:
         return None
     return max(p.p50_ms for p in stats), max(p.p99_ms for p in stats)
