@@ -52,6 +52,7 @@ import math
 import sys
 from dataclasses import replace
 
+from zerodram.runtime.argtypes import int_list
 from zerodram.runtime.kv.format import DEFAULT_FP2
 
 SHAPE = (32, 8, 128)  # Hq, Hkv, D (--shape)
@@ -80,8 +81,8 @@ def check_rel_err(att, q, layer, batch, L: int, num_splits: int | None, out=None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--lengths", default="8192,32768,131072")
+    p.add_argument("--batches", type=int_list, default="1,8,32")
+    p.add_argument("--lengths", type=int_list, default="8192,32768,131072")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument(
         "--configs",
@@ -459,8 +460,8 @@ def run(args: argparse.Namespace) -> int:
         a @ a
     torch.cuda.synchronize()
     rows = []
-    for B in (int(x) for x in args.batches.split(",")):
-        for L in (int(x) for x in args.lengths.split(",")):
+    for B in args.batches:
+        for L in args.lengths:
             row = _case(B, L, configs, forced_splits, args, flush, copy_bw)
             rows.append(row)
             if args.json:

@@ -33,13 +33,15 @@ import math
 import statistics
 import sys
 
+from zerodram.runtime.argtypes import int_list
+
 HQ, HKV, D, P, HP = 32, 8, 128, 64, 36
 SPLIT_WITH_WORK, BF16_CTA = 1, 2  # timeline column 6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--lengths", default="8192,131072")
+    p.add_argument("--batches", type=int_list, default="1,8")
+    p.add_argument("--lengths", type=int_list, default="8192,131072")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
     p.add_argument("--raw", metavar="PATH", help="also write every CTA's stamp row, one JSON line per case")
     p.add_argument("--from-raw", metavar="PATH", help="summarize a --raw file's cases instead (no GPU needed)")
@@ -229,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     flush = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB, read before the call
     name = torch.cuda.get_device_name()
-    for B in (int(x) for x in args.batches.split(",")):
-        for L in (int(x) for x in args.lengths.split(",")):
+    for B in args.batches:
+        for L in args.lengths:
             stamps, splits = _case(B, L, flush, args.warm_code)
             if args.raw:
                 with open(args.raw, "a") as f:  # rows as summarize() reads them

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from zerodram.runtime.argtypes import int_list
 from zerodram.runtime.context import one_process_context
 from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
 from zerodram.runtime.engine.build import build_engine
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         default=f"{FP2};{DEFAULT_FP2};bf16",
         help="semicolon-separated KV formats (the default calibrates)",
     )
-    p.add_argument("--batches", default="1,8,16")
+    p.add_argument("--batches", type=int_list, default="1,8,16")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=8)
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = one_process_context()
     cuda = ctx is not None
     dtype = args.dtype or ("bf16" if cuda else "fp32")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = list(args.batches)
     max_b = max(batches)
     tokens = args.context + _max_tokens(max_b, args.context, args.warmup, args.steps)  # per sequence, at most
     modes = [{"auto": "auto", "on": True, "off": False}[m] for m in args.defer_write.split(",")]

@@ -22,12 +22,14 @@ import argparse
 import json
 import sys
 
+from zerodram.runtime.argtypes import int_list
+
 PATHS = ("kernel", "grouped", "loop")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="seed-700b", help="named configuration whose expert shape is used")
-    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--batches", type=int_list, default="1,8,64,256")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument(
         "--configs",
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     paths = [p for p in PATHS if p != "grouped" or has_grouped_mm("cuda", torch.bfloat16)]
     rows = []
-    for B in (int(b) for b in args.batches.split(",")):
+    for B in args.batches:
         g = torch.Generator().manual_seed(B)
         topk = torch.rand(B, E, generator=g).topk(K, dim=1).indices  # [B, K] distinct experts per token
         counts = torch.bincount(topk.flatten(), minlength=E)  # [E]

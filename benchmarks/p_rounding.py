@@ -20,9 +20,11 @@ import argparse
 import json
 import sys
 
+from zerodram.runtime.argtypes import int_list
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="64,8192,131072", help="tokens per row, comma separated")
+    p.add_argument("--lengths", type=int_list, default="64,8192,131072", help="tokens per row, comma separated")
     p.add_argument("--temps", default="1,3", help="score temperatures, comma separated")
     p.add_argument("--shifts", default="-4,-2,0,1,2", help="k in 2^k before rounding to e4m3, comma separated")
     p.add_argument("--seed", type=int, default=0)
@@ -52,7 +54,7 @@ def row_errors(L: int, temp: float, shifts: list[int], seed: int) -> dict[str, f
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = list(args.lengths)
     temps = [float(x) for x in args.temps.split(",")]
     shifts = [int(x) for x in args.shifts.split(",")]
     rows = [{"L": L, "temp": t, **row_errors(L, t, shifts, args.seed)} for L in lengths for t in temps]
