@@ -40,6 +40,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_job_args(argv: list[str], node_rank: int) -> None:
+    """The launching process's check (worker.CHECKS): the options, and that --svg can be written."""
+    from zerodram.launch.dashboard import check_output_paths
+
+    check_output_paths(_parse(argv))
+
+
 def demo_job(ctx: Any, argv: list[str]) -> int:
     """The demo worker job. Every rank runs it (the engine loop is collective); rank 0 returns 1
     when an answer failed or the --svg could not be saved, else 0."""
@@ -86,14 +93,10 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
 
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.launch import launcher
-    from zerodram.launch.dashboard import check_output_paths
 
     rest = list(args.job_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
-    # Here, once, before torchrun starts: --help, a bad value or an unwritable output path is
-    # answered by one process, not by every rank (and not after the model loaded).
-    check_output_paths(_parse(rest))
     port = args.master_port
     if port is None and _single_host(args.topology):
         port = _free_port()  # a second demo (or a test) on this host must not collide on 29500

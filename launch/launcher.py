@@ -15,6 +15,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from zerodram.launch.worker import check_job
 from zerodram.runtime.errors import ConfigError
 
 
@@ -93,6 +94,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if job and job[0] == "--":
         job = job[1:]
     plan = plan_launch(args.topology, args.node_rank, args.master_port, job)
+    check_job(plan.job[0], list(plan.job[1:]), plan.node_rank)
     argv = plan.torchrun_argv()
     for other in range(plan.num_nodes):
         if other != plan.node_rank:

@@ -27,6 +27,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_job_args(argv: list[str], node_rank: int) -> None:
+    """The launching process's check (worker.CHECKS): the options, and on node 0 (where rank 0
+    reads and writes) that the output paths can be written."""
+    from zerodram.launch.dashboard import check_output_paths
+
+    job_args = _parse(argv)
+    if node_rank == 0:
+        check_output_paths(job_args)
+
+
 def serve_job(ctx: Any, argv: list[str]) -> int:
     """The serve worker job; returns 0. Every rank runs it; rank 0 reads and writes."""
     import torch
@@ -62,16 +72,10 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
 
 def _cmd(args: argparse.Namespace) -> int:
     from zerodram.launch import launcher
-    from zerodram.launch.dashboard import check_output_paths
 
     rest = list(args.job_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
-    # Here, once, before torchrun starts: --help or a bad value is answered by one process, not by
-    # every rank; the output paths are rank 0's, which runs on node 0.
-    job_args = _parse(rest)
-    if args.node_rank == 0:
-        check_output_paths(job_args)
     ns = argparse.Namespace(
         topology=args.topology,
         node_rank=args.node_rank,

@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from zerodram.runtime.errors import ZerodramError
+from zerodram.runtime.errors import ConfigError, ZerodramError
 
 # name -> "module:function". Add a job with one line.
 JOBS = {
@@ -22,6 +22,22 @@ JOBS = {
     "serve": "zerodram.launch.serve_cmd:serve_job",
     "demo": "zerodram.launch.demo_cmd:demo_job",
 }
+# name -> "module:function", run once by `zerodram launch` before torchrun starts, as
+# `fn(argv, node_rank)`: it parses the job's options, so that --help or a bad value is answered by
+# one process rather than by every rank (and not after the model loaded).
+CHECKS = {
+    "serve": "zerodram.launch.serve_cmd:check_job_args",
+    "demo": "zerodram.launch.demo_cmd:check_job_args",
+}
+
+
+def check_job(job: str, argv: list[str], node_rank: int) -> None:
+    """Refuse an unknown job, and check a known job's options, in the launching process."""
+    if job not in JOBS:
+        raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
+    if job in CHECKS:
+        module, fn = CHECKS[job].split(":")
+        getattr(importlib.import_module(module), fn)(argv, node_rank)
 
 
 def run_job(job: str, argv: list[str]) -> int:

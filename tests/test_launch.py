@@ -78,6 +78,23 @@ def test_demo_answers_help_and_bad_options_once_before_torchrun(capsys: pytest.C
     assert "torch.distributed.run" not in err, "refused before the launch"
 
 
+@pytest.mark.parametrize("job", ["demo", "serve"])
+def test_launch_answers_a_jobs_help_once_before_torchrun(capsys: pytest.CaptureFixture[str], job: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--topology", "local-cpu-4", "--", job, "--help"])
+    assert info.value.code == 0
+    out, err = capsys.readouterr()
+    assert out.count(f"usage: {job}") == 1
+    assert "torch.distributed.run" not in err, "answered before the launch"
+
+
+def test_launch_refuses_an_unknown_job_before_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--topology", "local-cpu-4", "--", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown job 'nosuch'; jobs: demo, serve, smoke" in err
+    assert "torch.distributed.run" not in err
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
