@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from zerodram.runtime.comm import (
 from zerodram.runtime.comm.layout import fp8_dequantize, fp8_quantize
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.moe import RouterConfig, route
+from zerodram.runtime.moe.router import SCORINGS
 
 
 @settings(max_examples=40, deadline=None)
@@ -156,3 +159,77 @@ def test_router_ties_go_to_the_lowest_expert_id_on_the_logits() -> None:
     logits = torch.tensor([[17.0, 18.0, 19.0, 20.0, 0.0, 0.0, 0.0, 0.0]])
     idx, w = route(logits, RouterConfig(8, 2, scoring="sigmoid", renormalize=False))
     assert idx.tolist() == [[3, 2]] and torch.equal(w, torch.ones(1, 2))  # the scores all round to 1
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_router_all_nan_row_takes_the_lowest_ids() -> None:
+    """Every comparison with NaN is false: the kernel's argmax once found no expert for such a row
+    (an index of INT_MAX into shared memory). NaN now ranks below -inf, NaNs tied by lowest id."""
+    for scoring in SCORINGS:
+        idx, w = route(torch.full((2, 8), NAN), RouterConfig(8, 3, scoring=scoring))
+        assert idx.tolist() == [[0, 1, 2], [0, 1, 2]]
+        assert w.isnan().all()  # the engine's non-finite checks end the request, downstream
+
+
+def test_router_nan_ranks_below_every_number_and_minus_inf() -> None:
+    logits = torch.tensor(
+        [
+            [NAN, 0.5, NAN, -INF, NAN, 2.0, -1.0, NAN],  # K > the 4 numbers: NaNs come last
+            [NAN, 0.5, NAN, 3.0, NAN, 2.0, -1.0, 1.0],  # enough numbers: no NaN is chosen
+        ]
+    )
+    idx, w = route(logits, RouterConfig(8, 6, scoring="sigmoid", renormalize=False))
+    assert idx.tolist() == [[5, 1, 6, 3, 0, 2], [3, 5, 7, 1, 6, 0]]
+    # sigmoid without renormalisation: only a chosen NaN's own weight is NaN
+    assert torch.equal(w.isnan(), torch.tensor([[False] * 4 + [True] * 2, [False] * 5 + [True]]))
+    torch.testing.assert_close(w[0, :4], torch.sigmoid(torch.tensor([2.0, 0.5, -1.0, -INF])))
+    idx, w = route(logits, RouterConfig(8, 4, scoring="sigmoid"))
+    assert idx.tolist() == [[5, 1, 6, 3], [3, 5, 7, 1]]
+    assert w.isfinite().all() and torch.allclose(w.sum(-1), torch.ones(2))
+    idx, w = route(logits, RouterConfig(8, 4))
+    assert idx.tolist() == [[5, 1, 6, 3], [3, 5, 7, 1]] and w.isnan().all()  # softmax: any NaN, all NaN
+
+
+def test_router_minus_inf_rows_choose_each_expert_once() -> None:
+    """The kernel marked a chosen expert -inf, which tied with a real -inf and was chosen again."""
+    logits = torch.tensor([[-INF, -INF, 1.0, -INF], [-INF] * 4])
+    idx, w = route(logits, RouterConfig(4, 3, scoring="sigmoid"))
+    assert idx.tolist() == [[2, 0, 1], [0, 1, 2]]
+    assert torch.equal(w, torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_router_signed_zeros_tie() -> None:
+    idx, _ = route(torch.tensor([[-1.0, -0.0, 0.0, -0.0]]), RouterConfig(4, 3))
+    assert idx.tolist() == [[1, 2, 3]]
+
+
+def test_router_sigmoid_renormalisation_of_underflowed_scores_is_zero_not_nan() -> None:
+    """sigmoid(-1000) is 0 in fp32: the sum of the chosen scores is 0, and 0 / 0 was NaN."""
+    logits = torch.stack([-1000.0 - torch.arange(8.0), torch.arange(8.0)])
+    idx, w = route(logits, RouterConfig(8, 4, scoring="sigmoid"))
+    assert idx.tolist() == [[0, 1, 2, 3], [7, 6, 5, 4]]
+    assert torch.equal(w[0], torch.zeros(4))
+    torch.testing.assert_close(
+        w[1], torch.sigmoid(logits[1, [7, 6, 5, 4]]) / torch.sigmoid(logits[1, 4:]).sum()
+    )
+
+
+_SPECIAL = [NAN, -NAN, INF, -INF, 0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, 3.0e38, -3.0e38]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.one_of(st.sampled_from(_SPECIAL), st.floats(width=32)), min_size=1, max_size=40), st.data()
+)
+def test_router_choice_is_the_documented_order(row: list[float], data: st.DataObject) -> None:
+    """Against the rule written out in Python: numbers descending (-0 == +0), then NaNs; ties by id."""
+    logits = torch.tensor([row])  # [1, E]
+    row = logits[0].tolist()  # as fp32 holds them
+    K = data.draw(st.integers(1, min(8, len(row))))
+    idx, _ = route(logits, RouterConfig(len(row), K, scoring="sigmoid"))
+    want = sorted(
+        range(len(row)), key=lambda e: (math.isnan(row[e]), 0.0 if math.isnan(row[e]) else -row[e], e)
+    )
+    assert idx[0].tolist() == want[:K]

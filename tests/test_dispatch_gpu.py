@@ -237,3 +237,74 @@ def _graph_replays(ctx) -> int:
 def test_ep_layer_replays_from_a_cuda_graph(world_size: int) -> None:
     results = run_ranks(_graph_replays, world_size, timeout_s=300, rank_timeout_s=120, device="cpu")
     assert results == [3] * world_size
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _edge_logits(E: int, seed: int) -> torch.Tensor:
+    """[TM, E] rows that once broke the fused router, then rows with NaN sprinkled among numbers.
+    Its self-check: each named row's expected ids are written out beside it (K = 4)."""
+    rows = torch.randn(TM, E, generator=torch.Generator().manual_seed(seed))  # [TM, E]
+    rows[0] = NAN  # every comparison false: the argmax found no expert, an index of INT_MAX
+    rows[1] = NAN
+    rows[1, E - 1], rows[1, 3] = 1.0, -INF  # -> E-1, 3, then NaNs by id: 0, 1
+    rows[2, ::2] = NAN  # enough numbers: no NaN chosen
+    rows[3] = -INF  # -> 0, 1, 2, 3, each once (a chosen expert was marked -inf and chosen again)
+    rows[4] = -INF
+    rows[4, 6] = 0.0  # -> 6, 0, 1, 2
+    rows[5] = -1000.0 - torch.arange(E)  # sigmoid scores all 0: renormalisation was 0 / 0
+    rows[6] = -1.0
+    rows[6, 5], rows[6, 2], rows[6, E - 1] = -0.0, 0.0, -0.0  # -> 2, 5, E-1, 0 (-0 ties +0)
+    mask = torch.rand(TM, E, generator=torch.Generator().manual_seed(seed + 1)) < 0.3
+    rows[8:][mask[8:]] = NAN
+    return rows
+
+
+EDGE_IDS = {0: [0, 1, 2, 3], 1: ["last", 3, 0, 1], 3: [0, 1, 2, 3], 4: [6, 0, 1, 2], 6: [2, 5, "last", 0]}
+
+
+def _router_edge_rows(ctx) -> int:
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+    from zerodram.runtime.comm.nvshmem_session import NvshmemSession
+
+    gctx = _gpu_ctx(ctx)
+    W, rank, dev, K = gctx.world_size, gctx.rank, gctx.device, 4
+    session = NvshmemSession.create(gctx, heap_bytes=1 << 28)
+    checked = 0
+    try:
+        for E in (8, 40):  # fewer experts than lanes; some lanes with two experts, some with one
+            logits = _edge_logits(E, 300 + 10 * rank + E).to(dev)  # [TM, E]
+            x = torch.randn(TM, D, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(dev)
+            for scoring, renormalize in (("softmax", True), ("sigmoid", True), ("sigmoid", False)):
+                router = RouterConfig(E, K, scoring=scoring, renormalize=renormalize)
+                layout = EpLayout(ExpertPlacement.contiguous(rank, W, E), D, K, TM)
+                comm = NvshmemComm.create(gctx, layout, router, session=session)
+                out = comm.dispatch(x, logits=logits)
+                y = comm.combine(out.recv_x, out)  # identity experts: y[t] = sum_k w[t, k] * x[t]
+                comm.check()
+                what = f"E={E} {scoring} renormalize={renormalize} rank {rank}"
+                ref_idx, ref_w = route(logits, router)
+                for t, ids in EDGE_IDS.items():
+                    assert ref_idx[t].tolist() == [E - 1 if i == "last" else i for i in ids], (what, t)
+                assert torch.equal(out.topk_idx, ref_idx), f"{what}: fused router chose differently"
+                torch.testing.assert_close(
+                    out.topk_weight, ref_w, atol=1e-5, rtol=1e-4, equal_nan=True, msg=what
+                )
+                if renormalize and scoring == "sigmoid":
+                    assert torch.equal(out.topk_weight[5], torch.zeros(K, device=dev)), what
+                ref_y = (ref_w.sum(-1, keepdim=True) * x.float()).to(torch.bfloat16)
+                torch.testing.assert_close(y, ref_y, atol=3e-2, rtol=3e-2, equal_nan=True, msg=what)
+                comm.close()
+                checked += 1
+    finally:
+        session.close()
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fused_router_edge_rows_match_reference(world_size: int) -> None:
+    """NaN and -inf logits, signed zeros, underflowed sigmoid scores: ids equal to `route`'s, weights
+    too (NaN where it is NaN), and the rows go through dispatch and combine."""
+    results = run_ranks(_router_edge_rows, world_size, timeout_s=300, rank_timeout_s=120, device="cpu")
+    assert results == [6] * world_size

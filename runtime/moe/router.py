@@ -8,6 +8,11 @@ The math the fused CUDA router (`kernels/cuda/dispatch.cu`) reproduces, in fp32:
     scores   softmax(logits) over E, or sigmoid(logits)                   # [T, E]
     choice   the K largest logits, largest first (ties: lowest expert id) # [T, K]
     weight   the chosen scores, divided by their sum when `renormalize`   # [T, K]
+
+Non-finite logits: a NaN ranks below every number, -inf included (so it is never chosen before a
+real expert), and NaNs tie among themselves (lowest id); a chosen NaN gets a NaN weight (softmax:
+any NaN makes the whole row NaN), which the engine's non-finite checks turn into an error for that
+token's request. A renormalisation sum of 0 (sigmoid scores that all underflow) divides by 1.
 """
 
 from __future__ import annotations
@@ -70,9 +75,32 @@ def route(logits: torch.Tensor, cfg: RouterConfig) -> tuple[torch.Tensor, torch.
     scores = torch.softmax(logits, -1) if cfg.scoring == "softmax" else torch.sigmoid(logits)  # [T, E]
     # Chosen on the logits, as the kernel chooses: the scores are monotonic in them but saturate
     # (sigmoid 1.0) and round into ties the logits do not have. A stable sort keeps the lowest
-    # expert id first among equal logits; torch.topk promises no order among ties.
-    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., : cfg.top_k]  # [T, K]
+    # expert id first among equal keys; torch.topk promises no order among ties.
+    order = torch.sort(logit_keys(logits), dim=-1, descending=True, stable=True).indices  # [T, E]
+    idx = order[..., : cfg.top_k]  # [T, K]
     weight = scores.gather(-1, idx)  # [T, K]
     if cfg.renormalize:
-        weight = weight / weight.sum(-1, keepdim=True)
+        total = weight.sum(-1, keepdim=True)  # [T, 1]
+        # Sigmoid scores of very negative logits underflow to 0, and 0 / 0 would give NaN weights
+        # to a token whose logits are all finite. A zero sum divides by 1 instead (the weights stay
+        # 0: a token no expert wants); a NaN sum stays NaN. The kernel guards the same way.
+        weight = weight / total.masked_fill(total == 0, 1.0)
     return idx, weight
+
+
+NAN_KEY = -(2**31) + 1  # below every number's key (-inf's is -2**31 + 2**23 - 1)
+
+
+def logit_keys(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [..., E] -> int32 selection keys [..., E]: the kernel's `logit_key`.
+
+    Ordered as the logits, with -0 and +0 one key (they tie) and every NaN the key NAN_KEY, below
+    -inf. Sorting the floats cannot promise this: torch.sort ranks NaN above +inf, and a radix sort
+    (which torch's CUDA sort can use) orders -0 below +0 where the CPU sort ties them. Integer keys
+    sort the same on every device.
+    """
+    bits = logits.float().contiguous().view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative: a larger magnitude ranks lower
+    keys = keys.masked_fill(mag == 0, 0)
+    return keys.masked_fill(mag > 0x7F800000, NAN_KEY)
