@@ -35,7 +35,7 @@ class LaunchPlan:
         return [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "zerodram.launch.torchrun",  # torchrun, with a one-line failure report
             f"--nnodes={self.num_nodes}",
             f"--nproc-per-node={self.ranks_per_node}",
             f"--node-rank={self.node_rank}",

@@ -75,7 +75,7 @@ def test_demo_answers_help_and_bad_options_once_before_torchrun(capsys: pytest.C
     assert main(["demo", "--dry-run", "--", "--svg", "/dev/null/x.svg"]) == 2
     err = capsys.readouterr().err
     assert "--svg /dev/null/x.svg: /dev/null is not a directory" in err
-    assert "torch.distributed.run" not in err, "refused before the launch"
+    assert "zerodram.launch.torchrun" not in err, "refused before the launch"
 
 
 @pytest.mark.parametrize("job", ["demo", "serve"])
@@ -85,14 +85,14 @@ def test_launch_answers_a_jobs_help_once_before_torchrun(capsys: pytest.CaptureF
     assert info.value.code == 0
     out, err = capsys.readouterr()
     assert out.count(f"usage: {job}") == 1
-    assert "torch.distributed.run" not in err, "answered before the launch"
+    assert "zerodram.launch.torchrun" not in err, "answered before the launch"
 
 
 def test_launch_refuses_an_unknown_job_before_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--topology", "local-cpu-4", "--", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "unknown job 'nosuch'; jobs: demo, serve, smoke" in err
-    assert "torch.distributed.run" not in err
+    assert "zerodram.launch.torchrun" not in err
 
 
 @pytest.mark.parametrize(
@@ -249,12 +249,13 @@ def test_the_readme_demo_end_to_end(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_real_torchrun_world_mismatch_fails_fast() -> None:
-    """torchrun started with the wrong number of ranks: every rank exits 2 naming both numbers."""
+    """torchrun (as `zerodram launch` runs it) started with the wrong number of ranks: every rank exits
+    2 naming both numbers, and the launch exits 2 with one line, not torchrun's traceback."""
     env = dict(os.environ, ZERODRAM_TOPOLOGY="local-cpu-4")
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "zerodram.launch.torchrun",
         "--nnodes=1",
         "--nproc-per-node=2",
         f"--master-port={free_port()}",
@@ -263,7 +264,21 @@ def test_real_torchrun_world_mismatch_fails_fast() -> None:
         "smoke",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr
     assert "has 4 ranks, torchrun started 2" in proc.stdout + proc.stderr
     for rank in (0, 1):  # each rank's error names the rank
         assert f"zerodram worker (rank {rank} of 2): error:" in proc.stderr
+    assert proc.stderr.count("zerodram launch: rank ") == 1
+    assert "exited with code 2 first; 1 other rank(s) stopped too" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_a_shell_exit_code() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from zerodram.launch.torchrun import first_failure_line
+
+    failures = {3: ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file="<N/A>")}
+    line, code = first_failure_line(ChildFailedError("zerodram.launch.worker", failures))
+    assert line == "zerodram launch: rank 3 (local rank 1) was killed by SIGKILL first"
+    assert code == 137
