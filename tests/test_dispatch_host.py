@@ -3,7 +3,8 @@
 Row t of rank r carries (r, t) in its first two channels; the receiver checks that each packed row
 sits in the segment of an expert that token really chose, in expert-major / source-minor order,
 and that per-expert counts match a recount from the shared seed. Also: a rank that skips the
-collective makes the others raise `RankTimeoutError` naming it, within seconds.
+collective makes the others raise `RankTimeoutError` naming it, within seconds; and rows of
+another dtype than the layout's are refused on the rank that passes them, before anything is sent.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _topk(seed: int, W: int) -> list[torch.Tensor]:
 def _dispatch_only(ctx) -> int:
     W, rank = ctx.world_size, ctx.rank
     placement = ExpertPlacement.contiguous(rank, W, E)
-    layout = EpLayout(placement, D, K, TM)
+    layout = EpLayout(placement, D, K, TM, dtype=torch.float32)
     comm = create_communicator(ctx, layout, backend="torch")
     topks = _topk(11, W)
     idx = topks[rank]
@@ -77,7 +78,7 @@ def test_rows_arrive_where_the_protocol_says(world_size: int) -> None:
 
 def _one_rank_skips(ctx, skipper: int, wait_s: float) -> str:
     placement = ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E)
-    comm = create_communicator(ctx, EpLayout(placement, D, K, TM), backend="torch")
+    comm = create_communicator(ctx, EpLayout(placement, D, K, TM, dtype=torch.float32), backend="torch")
     comm.timeout_s = wait_s
     if ctx.rank == skipper:
         time.sleep(wait_s + 1.5)  # alive but silent: the others must not hang on it
@@ -104,7 +105,7 @@ def test_silent_rank_is_named_within_the_timeout() -> None:
 
 def _late_after_the_peer_left(ctx) -> str:
     placement = ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E)
-    comm = create_communicator(ctx, EpLayout(placement, D, K, TM), backend="torch")
+    comm = create_communicator(ctx, EpLayout(placement, D, K, TM, dtype=torch.float32), backend="torch")
     if ctx.rank == 0:
         return "left"  # its process group closes with the process
     time.sleep(2.0)  # late: rank 0 is gone by now, so posting the counts fails at once
@@ -160,3 +161,112 @@ def test_precomputed_routing_is_checked_before_anything_is_sent() -> None:
         with pytest.raises(ConfigError, match=message):
             _check_topk(idx, weight, T, K, E)
     _check_topk(torch.tensor([[-1, -1]] * T), torch.ones(T, K), T, K, E)  # masked twice is no expert
+
+
+def _rows_of_another_dtype(ctx) -> dict:
+    """Every rank passes rows of the wrong dtype (dispatch's x, then combine's expert_out): every
+    rank raises before sending, so the ranks stay in step and the next calls are served."""
+    layout = EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, TM)  # bf16 rows
+    comm = create_communicator(ctx, layout, backend="torch")
+    comm.timeout_s = 10.0
+    T = 3
+    x = torch.full((T, D), float(ctx.rank + 1), dtype=torch.bfloat16)  # [T, D]
+    idx = torch.tensor([[0, 4], [1, 5], [6, 2]])  # [T, K] experts of both ranks
+    route = {"topk_idx": idx, "topk_weight": torch.ones(T, K)}
+    got = {}
+    with pytest.raises(ConfigError) as info:
+        comm.dispatch(x.float(), **route)
+    got["dispatch"] = str(info.value)
+    out = comm.dispatch(x, **route)
+    with pytest.raises(ConfigError) as info:
+        comm.combine(out.recv_x.float(), out)
+    got["combine"] = str(info.value)
+    y = comm.combine(out.recv_x, out)  # identity experts: y = sum_k 1 * x
+    assert y.dtype == torch.bfloat16 and torch.equal(y, x * K), y
+    comm.close()
+    return got
+
+
+def test_rows_of_another_dtype_are_refused_on_every_rank_before_anything_is_sent() -> None:
+    for rank, got in enumerate(run_ranks(_rows_of_another_dtype, 2, timeout_s=60, rank_timeout_s=20)):
+        assert got["dispatch"] == (
+            f"rank {rank}/2: dispatch's x is [3, {D}] torch.float32, the layout expects [T, {D}] "
+            "torch.bfloat16 (fixed at construction, the same on every rank)"
+        )
+        assert got["combine"].startswith(f"rank {rank}/2: combine's expert_out is [")
+        assert "torch.float32, the layout expects [" in got["combine"], got["combine"]
+
+
+def _ranks_with_different_dtypes(ctx) -> str:
+    """The reviewer's case: rank 0 dispatches bf16 rows, rank 1 fp32 rows. Before the rows were
+    checked against the layout, rank 1 decoded rank 0's bf16 bytes as fp32 garbage and gloo
+    aborted rank 0 (`op.preamble.length <= op.nbytes. 192 vs 96`)."""
+    layout = EpLayout(ExpertPlacement.contiguous(ctx.rank, ctx.world_size, E), D, K, TM)  # bf16 rows
+    comm = create_communicator(ctx, layout, backend="torch")
+    comm.timeout_s = 5.0
+    T = 3
+    x = torch.ones(T, D, dtype=torch.bfloat16 if ctx.rank == 0 else torch.float32)  # [T, D]
+    idx = torch.tensor([[0, 4], [1, 5], [6, 2]])  # [T, K] experts of both ranks
+    try:
+        comm.dispatch(x, topk_idx=idx, topk_weight=torch.ones(T, K))
+    except (ConfigError, RankTimeoutError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_ranks_dispatching_different_dtypes_get_errors_not_garbage() -> None:
+    """Rank 1 (fp32 rows, bf16 layout) refuses them by name before sending anything; rank 0,
+    whose rows match, ends its bounded wait for rank 1's counts naming rank 1. No abort: a rank
+    that died without reporting would fail `run_ranks` with its exit code."""
+    rank0, rank1 = run_ranks(_ranks_with_different_dtypes, 2, timeout_s=60, rank_timeout_s=20)
+    assert rank1 == (
+        f"ConfigError: rank 1/2: dispatch's x is [3, {D}] torch.float32, the layout expects [T, {D}] "
+        "torch.bfloat16 (fixed at construction, the same on every rank)"
+    )
+    assert rank0.startswith("RankTimeoutError: rank 0/2: waiting for "), rank0
+    assert "dispatch counts" in rank0 and "rank 1" in rank0, rank0
+
+
+def test_rows_are_checked_against_the_layout() -> None:
+    """`check_rows`, shared by both backends: width, row count (combine) and dtype, naming the rank
+    and both sides; a layout fixes its rows' dtype (and with it the row's bytes on the wire)."""
+    from types import SimpleNamespace
+
+    from zerodram.runtime.comm.base import check_rows
+    from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
+    from zerodram.runtime.moe.experts import ExpertShard
+    from zerodram.runtime.moe.layer import EpMoELayer
+
+    lay = EpLayout(ExpertPlacement.contiguous(1, 2, E), D, K, TM)
+    assert lay.dtype == torch.bfloat16 and lay.msg_bytes == 2 * D
+    check_rows(torch.zeros(3, D, dtype=torch.bfloat16), lay, "x")
+    check_rows(torch.zeros(0, D, dtype=torch.bfloat16), lay, "x")  # a rank without tokens
+    check_rows(torch.zeros(5, D, dtype=torch.bfloat16), lay, "y", 5)
+    for rows, num_rows, message in (
+        (torch.zeros(3, D), None, rf"rank 1/2: x is \[3, {D}\] torch.float32, the layout expects \[T, {D}\] torch.bfloat16"),
+        (torch.zeros(3, D, dtype=torch.float16), None, "x is .* torch.float16, the layout expects .* torch.bfloat16"),
+        (torch.zeros(3, D + 8, dtype=torch.bfloat16), None, rf"x is \[3, {D + 8}\] torch.bfloat16, the layout expects \[T, {D}\]"),
+        (torch.zeros(3 * D, dtype=torch.bfloat16), None, rf"x is \[{3 * D}\]"),
+        (torch.zeros(4, D, dtype=torch.bfloat16), 5, rf"x is \[4, {D}\] torch.bfloat16, the layout expects \[5, {D}\]"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            check_rows(rows, lay, "x", num_rows)
+    lay32 = EpLayout(lay.placement, D, K, TM, dtype=torch.float32)
+    assert lay32.msg_bytes == 4 * D
+    check_rows(torch.zeros(3, D), lay32, "x")
+    with pytest.raises(ConfigError, match=r"row dtype torch\.float64"):
+        EpLayout(lay.placement, D, K, TM, dtype=torch.float64)
+    # the NVSHMEM kernels move bf16 rows: another layout is refused at construction
+    ctx = SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"), timeout_s=5.0)
+    with pytest.raises(
+        ConfigError, match=r"NVSHMEM backend moves bf16 rows, this layout carries torch\.float32"
+    ):
+        NvshmemComm.create(ctx, lay32)
+    # the experts compute in their rows' dtype
+    w = torch.zeros(len(lay.local_experts), 4, D)
+    shard = ExpertShard(lay.local_experts, w, w, torch.zeros(len(lay.local_experts), D, 4))
+    with pytest.raises(
+        ConfigError, match=r"rank 1: expert weights are torch\.float32, the layout carries torch\.bfloat16"
+    ):
+        EpMoELayer(SimpleNamespace(layout=lay), shard)
+    EpMoELayer(SimpleNamespace(layout=lay32), shard)

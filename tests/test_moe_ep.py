@@ -79,7 +79,7 @@ def _run_cases(ctx) -> list[str]:
         weights = MoEWeights.random(E, D, F, seed=100 + i, dtype=dtype, shared_ffn=32 if i % 3 == 0 else 0)
         router = RouterConfig(E, K, scoring=scoring, renormalize=scoring == "softmax")
         placement = _placement(rank, W, E, replicas)
-        layout = EpLayout(placement, D, K, MAX_TOKENS, wire)
+        layout = EpLayout(placement, D, K, MAX_TOKENS, wire, dtype)
         comm = create_communicator(ctx, layout, router, backend="torch")
         layer = EpMoELayer(
             comm, weights.shard(layout.local_experts), gate_weight=weights.gate_weight, shared=weights.shared
@@ -212,13 +212,14 @@ def _engine_over_wires(ctx) -> dict:
 
 
 def test_the_engine_sends_the_wire_it_is_given() -> None:
-    """`--ep-wire fp8` reaches every layer (144 bytes a row of 128 channels against bf16's 256) and
+    """`--ep-wire fp8` reaches every layer (144 bytes a row of 128 channels against the unquantized
+    wire's 512: the model computes in fp32, and that wire carries its rows as they are) and
     serves; each request's first logits, computed on its own rank, stay within 0.1 of the largest
     |logit| of the bf16 wire's (e4m3 rounds each value sent by up to 1/16; measured: 0.014-0.027)
     and differ from them (the rows did go through fp8)."""
     results = run_ranks(_engine_over_wires, 2, timeout_s=150, rank_timeout_s=60)
     for got in results:
-        assert got["bf16"][0] == [("bf16", 256)] * 2 and got["fp8"][0] == [("fp8", 144)] * 2
+        assert got["bf16"][0] == [("bf16", 512)] * 2 and got["fp8"][0] == [("fp8", 144)] * 2
     assert results[0]["bf16"][1] == results[0]["fp8"][1] == [4] * len(WIRE_PROMPTS)  # rank 0 reports all
     firsts = [(r["bf16"][2], r["fp8"][2]) for r in results]
     assert sum(len(b) for b, _ in firsts) == len(WIRE_PROMPTS)  # each request's rank tapped it

@@ -93,9 +93,10 @@ def create_communicator(
             session outlives them). None: the communicator creates and owns its own.
 
     Raises:
-        ConfigError: unknown backend, "nvshmem" without a GPU, or a session for the torch backend.
+        ConfigError: unknown backend, "nvshmem" without a GPU or for a layout of other rows than
+            bf16 ("auto" takes torch for those), or a session for the torch backend.
     """
-    backend = resolve_backend(ctx, backend)
+    backend = resolve_backend(ctx, backend, layout.dtype)
     if backend == "torch":
         if session is not None:
             raise ConfigError("an NVSHMEM session was given to the torch EP backend")

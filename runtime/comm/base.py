@@ -46,6 +46,26 @@ class DispatchOutput:
     handle: Any
 
 
+def check_rows(rows: torch.Tensor, lay: EpLayout, what: str, num_rows: int | None = None) -> None:
+    """Rows as the layout carries them: [T, D] (``num_rows`` of them where given) in the layout's
+    dtype. Both backends check dispatch's x and combine's expert outputs with it, on every call,
+    before anything is sent: a rank whose rows were of another dtype or width would send rows of
+    another size than its peers expect, which they decode as garbage (gloo aborts the process
+    when more bytes arrive than it posted). Local, so no collective: the layout is the same on
+    every rank (built from the model's dtype), hence so is what this check lets through.
+
+    Raises:
+        ConfigError: naming this rank, the rows' shape and dtype, and the layout's.
+    """
+    width_ok = rows.dim() == 2 and rows.shape[1] == lay.hidden
+    if not width_ok or num_rows not in (None, rows.shape[0]) or rows.dtype != lay.dtype:
+        want = "T" if num_rows is None else num_rows
+        raise ConfigError(
+            f"rank {lay.rank}/{lay.world_size}: {what} is {list(rows.shape)} {rows.dtype}, the layout "
+            f"expects [{want}, {lay.hidden}] {lay.dtype} (fixed at construction, the same on every rank)"
+        )
+
+
 def _check_topk(idx: torch.Tensor, weight: torch.Tensor | None, T: int, K: int, E: int) -> None:
     """Precomputed routing as the protocol needs it. Shapes and dtypes always; the ids' values
     only where they are on the host (reading device values would sync every call): below E, and
@@ -136,18 +156,19 @@ class Communicator(ABC):
         """Send each (token, choice) row to its expert's owner; receive this rank's rows.
 
         Args:
-            x: [T, D] hidden states, T <= layout.max_tokens_per_rank.
+            x: [T, D] hidden states in layout.dtype, T <= layout.max_tokens_per_rank.
             topk_idx, topk_weight: [T, K] precomputed routing (-1 in topk_idx: no expert), or
             logits: [T, E] fp32, or gate_weight: [E, D] (then `router` scores them).
 
         Raises:
-            ConfigError: shapes outside the layout, or no router for logits.
+            ConfigError: shapes or x's dtype outside the layout (`check_rows`), or no router for
+                logits. Raised before anything is sent: the peers then end their wait for this
+                rank with `RankTimeoutError` naming it.
             RankTimeoutError: (host path) a peer did not join within the timeout.
         """
-        T = x.shape[0]
         lay = self.layout
-        if x.dim() != 2 or x.shape[1] != lay.hidden:
-            raise ConfigError(f"dispatch got x {tuple(x.shape)}, layout expects [T, {lay.hidden}]")
+        check_rows(x, lay, "dispatch's x")
+        T = x.shape[0]
         if lay.max_tokens_per_rank < T:
             raise ConfigError(
                 f"dispatch got {T} tokens, layout holds at most {lay.max_tokens_per_rank} per rank"
@@ -180,20 +201,28 @@ class Communicator(ABC):
     @abstractmethod
     def _dispatch(self, x: torch.Tensor, rin: RouteInput) -> DispatchOutput: ...
 
-    @abstractmethod
     def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         """Return each row's expert output to its source and reduce it there with router weights.
 
         Args:
-            expert_out: [N, D] outputs in `dispatched.recv_x`'s packed order.
+            expert_out: [N, D] outputs in `dispatched.recv_x`'s packed order and shape, in
+                layout.dtype (what `grouped_swiglu` returns for recv_x).
             dispatched: this layer's `dispatch` result.
 
         Returns:
-            [T, D] in the dtype of the dispatched x: sum_k topk_weight[t, k] * out(t, k).
+            [T, D] in layout.dtype: sum_k topk_weight[t, k] * out(t, k).
 
         Raises:
+            ConfigError: expert_out's shape or dtype is not recv_x's (`check_rows`), before
+                anything is sent. Not cast: outputs in another dtype than the rows they came
+                from mean experts computing in another dtype than the model.
             RankTimeoutError: (host path) a peer did not join within the timeout.
         """
+        check_rows(expert_out, self.layout, "combine's expert_out", dispatched.recv_x.shape[0])
+        return self._combine(expert_out, dispatched)
+
+    @abstractmethod
+    def _combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor: ...
 
     def check(self) -> None:  # noqa: B027 (optional hook: host-driven waits raise at once)
         """Raise `RankTimeoutError` if a device-side wait expired (reads an error word: syncs)."""

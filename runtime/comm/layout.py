@@ -34,6 +34,7 @@ from zerodram.runtime.topology.placement import EP_WIRES
 WIRE_FORMATS = EP_WIRES  # one list: a topology's experts.wire takes the same formats
 FP8_GROUP = 128  # channels per FP8 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what a layout's rows may be
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,16 @@ class EpLayout:
         hidden: D (a multiple of 128 for fp8, of 8 for bf16).
         top_k: K.
         max_tokens_per_rank: Tm, the most tokens any rank passes to one dispatch.
-        wire: "bf16" (rows as sent) or "fp8" (e4m3 values plus one fp32 scale per 128 channels).
+        wire: "bf16" (rows as they are, in `dtype`: bf16 on the NVSHMEM path; the host path also
+            carries fp16 / fp32 models' rows) or "fp8" (e4m3 values plus one fp32 scale per 128
+            channels).
+        dtype: the rows' dtype: dispatch's x, combine's expert outputs and its result (the
+            model's compute dtype). Every rank builds the same layout, so a rank's rows checked
+            against its own layout (`base.check_rows`) have the size its peers expect: no
+            collective needed to agree on it.
 
     Raises:
-        ConfigError: an unknown wire format, or a hidden size the format cannot carry.
+        ConfigError: an unknown wire format or row dtype, or a hidden size the format cannot carry.
     """
 
     placement: ExpertPlacement
@@ -158,10 +165,13 @@ class EpLayout:
     top_k: int
     max_tokens_per_rank: int
     wire: str = "bf16"
+    dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
         if self.wire not in WIRE_FORMATS:
             raise ConfigError(f"wire format {self.wire!r}; expected one of {WIRE_FORMATS}")
+        if self.dtype not in ROW_DTYPES:
+            raise ConfigError(f"row dtype {self.dtype}; expected one of {', '.join(map(str, ROW_DTYPES))}")
         if self.wire == "fp8" and self.hidden % FP8_GROUP:
             raise ConfigError(f"fp8 wire needs hidden % {FP8_GROUP} == 0, got hidden {self.hidden}")
         if self.hidden % 8:
@@ -195,7 +205,7 @@ class EpLayout:
     def msg_bytes(self) -> int:
         """Bytes of one row on the wire (16-byte multiple)."""
         if self.wire == "bf16":
-            return self.hidden * 2
+            return self.hidden * self.dtype.itemsize
         return self.hidden + 4 * (self.hidden // FP8_GROUP) + (-(4 * (self.hidden // FP8_GROUP)) % 16)
 
     @property

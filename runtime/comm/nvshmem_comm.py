@@ -101,12 +101,18 @@ class NvshmemComm(Communicator):
             timeout_s: device wait bound (default ZERODRAM_EP_DEVICE_TIMEOUT_S, else ctx.timeout_s).
 
         Raises:
-            ConfigError: layout/context mismatch, or a peer that no peer pointer reaches.
+            ConfigError: layout/context mismatch, a layout of other rows than bf16, or a peer that
+                no peer pointer reaches.
         """
         from zerodram.runtime.comm import check_layout_matches
         from zerodram.runtime.envs import ENVS
 
         check_layout_matches(layout, ctx)
+        if layout.dtype != torch.bfloat16:  # the kernels store, pack and reduce bf16 rows
+            raise ConfigError(
+                f"the NVSHMEM backend moves bf16 rows, this layout carries {layout.dtype}: "
+                "use bf16 weights (--dtype bf16) or the torch backend (--ep-backend torch)"
+            )
         timeout_s = timeout_s or ENVS.EP_DEVICE_TIMEOUT_S.get() or ctx.timeout_s
         owned = session is None
         if session is None:
@@ -213,8 +219,8 @@ class NvshmemComm(Communicator):
 
     def _dispatch(self, x: torch.Tensor, rin: RouteInput) -> DispatchOutput:
         lay, a = self.layout, self.args
-        if x.dtype != torch.bfloat16 or not x.is_cuda:
-            raise ConfigError(f"NVSHMEM dispatch takes bf16 CUDA rows, got {x.dtype} on {x.device}")
+        if not x.is_cuda:  # its dtype and shape: `dispatch` checked them against the (bf16) layout
+            raise ConfigError(f"NVSHMEM dispatch takes CUDA rows, got rows on {x.device}")
         phase = self._phase
         if not self._pinned:
             self._phase ^= 1
@@ -251,10 +257,10 @@ class NvshmemComm(Communicator):
             r["x"], r["expert_offsets"], r["num_per_expert"], topk_idx, topk_weight, _Handle(phase, T)
         )
 
-    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+    def _combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         lay, h = self.layout, dispatched.handle
         r = self._recv[h.phase]
-        y = expert_out.to(torch.bfloat16).contiguous()
+        y = expert_out.contiguous()  # bf16 [N, D]: `combine` checked it against the layout
         self.kernels.combine_send(
             y, r["src_rank"], r["src_idx"], r["num_rows"], self.peer_base[h.phase], self.sym.off_comb,
             self.sym.off_comb_flag, lay.world_size, lay.rank, self.args.ring_peers, self.done_combine,

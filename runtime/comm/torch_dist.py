@@ -50,7 +50,6 @@ class _Handle:
     send_src_idx: torch.Tensor  # [S] int64 t*K + k of each sent row, send order
     send_rows: list[int]  # [W] rows sent to each rank
     recv_rows: list[int]  # [W] rows received from each rank
-    dtype: torch.dtype
 
 
 class TorchDistComm(Communicator):
@@ -128,22 +127,25 @@ class TorchDistComm(Communicator):
         expert_offsets, num_per_expert = idx[2 * R : 2 * R + El], idx[2 * R + El :]
         self._all_to_all(recv_payload, payload, recv_rows, send_rows, "dispatch rows")
         stage("rows")
-        recv_x = self._decode(recv_payload.index_select(0, packed_src), x.dtype)  # [R, D] packed
+        recv_x = self._decode(recv_payload.index_select(0, packed_src))  # [R, D] packed
         self.expert_load += num_per_expert
         stage("unpack")
-        handle = _Handle(T, recv_pos, send_src_idx, send_rows, recv_rows, x.dtype)
+        handle = _Handle(T, recv_pos, send_src_idx, send_rows, recv_rows)
         return DispatchOutput(recv_x, expert_offsets, num_per_expert, topk_idx, topk_weight, handle)
 
     def _encode(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [S, D] -> bytes [S, B]: the values (bf16), or fp8 values then fp32 scales. The row's
-        src_idx does not travel: its arrival position says it (counts + token order)."""
+        """rows [S, D] -> bytes [S, B]: the values (layout.dtype), or fp8 values then fp32 scales.
+        The row's src_idx does not travel: its arrival position says it (counts + token order).
+        Hazard: the peers size their receive buffers with their own B, so rows must be in the
+        layout's dtype (`dispatch` checks it): bytes of another row size arrive as garbage, or
+        abort the process in gloo."""
         if self.layout.wire == "fp8":
             q, scale = fp8_quantize(rows)
             return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
         return rows.contiguous().view(torch.uint8)
 
-    def _decode(self, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        D = self.layout.hidden
+    def _decode(self, payload: torch.Tensor) -> torch.Tensor:
+        D, dtype = self.layout.hidden, self.layout.dtype
         if self.layout.wire == "fp8":
             q = payload[:, :D].view(torch.float8_e4m3fn)
             scale = payload[:, D:].view(torch.float32)  # row stride D + 4*D/128: 4-byte aligned
@@ -152,17 +154,18 @@ class TorchDistComm(Communicator):
 
     # -- combine -------------------------------------------------------------------------------
 
-    def combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
+    def _combine(self, expert_out: torch.Tensor, dispatched: DispatchOutput) -> torch.Tensor:
         h: _Handle = dispatched.handle
-        K, D, stage = self.layout.top_k, self.layout.hidden, self.on_stage
-        send = expert_out.index_select(0, h.recv_pos).to(h.dtype)  # [R, D] back in arrival order
+        lay, stage = self.layout, self.on_stage
+        K, D, dtype = lay.top_k, lay.hidden, lay.dtype
+        send = expert_out.index_select(0, h.recv_pos)  # [R, D] back in arrival order
         stage("gather")
-        recv = torch.empty(h.send_src_idx.shape[0], D, dtype=h.dtype, device=expert_out.device)
+        recv = torch.empty(h.send_src_idx.shape[0], D, dtype=dtype, device=expert_out.device)
         self._all_to_all(recv, send, h.send_rows, h.recv_rows, "combine rows")
         stage("rows")
-        buf = torch.zeros(h.T * K, D, dtype=h.dtype, device=expert_out.device)  # masked rows stay 0
+        buf = torch.zeros(h.T * K, D, dtype=dtype, device=expert_out.device)  # masked rows stay 0
         buf.index_copy_(0, h.send_src_idx, recv)
-        y = combine_reduce(buf, dispatched.topk_idx, dispatched.topk_weight).to(h.dtype)
+        y = combine_reduce(buf, dispatched.topk_idx, dispatched.topk_weight).to(dtype)
         stage("reduce")
         return y
 

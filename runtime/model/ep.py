@@ -135,6 +135,7 @@ def make_expert_parallel(
     session: object | None = None,
     every_token: bool = False,
     wire: str = "bf16",
+    dtype: torch.dtype | None = None,
 ) -> ExpertParallel:
     """The expert-parallel layer for one MoE layer.
 
@@ -144,6 +145,7 @@ def make_expert_parallel(
     A model's layers are built through `ExpertParallelWorld`, which shares what they can.
     every_token: the router sends every token to every expert (see `RoutedLocalExperts`).
     wire: how runtime/moe's layer sends rows to the experts' ranks (`EpLayout`); one rank sends none.
+    dtype: the model's compute dtype, the rows' on every rank (None: the experts' weights').
     """
     if world_size == 1:
         return LocalExperts(experts, timer, every_token=every_token)
@@ -159,6 +161,7 @@ def make_expert_parallel(
         max_tokens_per_rank=max_tokens_per_rank,
         placement=_placement(ctx, rank, world_size, expert_to_rank),
         wire=wire,
+        dtype=dtype,
         backend=backend,
         session=session,
     )
@@ -215,7 +218,8 @@ class ExpertParallelWorld:
         max_tokens_per_rank: the most tokens one step sends through a MoE layer (buffer sizing).
         num_moe_layers: how many layers will be built (the heap's size where they cannot share).
         backend: "auto", "torch", "nvshmem" or "allgather" (default: ZERODRAM_EP_BACKEND).
-        dtype: the model's compute dtype (NVSHMEM moves bf16 rows; see `resolve_backend`).
+        dtype: the model's compute dtype: every layer's rows, on every rank (NVSHMEM moves bf16
+            rows; see `resolve_backend`). None: each layer's expert weights'.
         every_token: the router sends every token to every expert with weight 1 (`dense_slices`).
         wire: the dispatch's row format across ranks, "bf16" or "fp8" (`EpLayout`; combine sends
             the model's rows either way). One rank sends nothing, so there it changes nothing.
@@ -241,6 +245,7 @@ class ExpertParallelWorld:
         wire: str = "bf16",
     ) -> None:
         self.ctx, self.timer, self.every_token, self.wire = ctx, timer, every_token, wire
+        self.dtype = dtype
         self.rank, self.world_size = getattr(ctx, "rank", 0), getattr(ctx, "world_size", 1)
         self.expert_to_rank, self.top_k, self.max_tokens = expert_to_rank, top_k, max_tokens_per_rank
         self.backend, self.session = backend, None
@@ -269,7 +274,8 @@ class ExpertParallelWorld:
             placement = _placement(ctx, self.rank, self.world_size, expert_to_rank)
             # as each EpMoELayer.create builds it; here once, so a wire the model cannot send fails
             # before the first layer's buffers
-            layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire)
+            rows = dtype or torch.bfloat16  # None: each layer's expert weights' (any a wire can carry)
+            layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire, rows)
         if self.backend == "nvshmem" and num_moe_layers:
             from zerodram.runtime.comm.nvshmem_comm import heap_bytes
             from zerodram.runtime.comm.nvshmem_session import NvshmemSession
@@ -314,6 +320,7 @@ class ExpertParallelWorld:
             session=self.session,
             every_token=self.every_token,
             wire=self.wire,
+            dtype=self.dtype,
         )
         if isinstance(ep, _TimedEP) and self.pin:  # the engine calls each layer once per step: one phase serves
             ep.layer.comm.pin_phase()

@@ -32,7 +32,8 @@ class EpMoELayer:
         experts_path: force the experts' path (None: chosen per step by size, see `grouped_swiglu`).
 
     Raises:
-        ConfigError: the shard's experts differ from the placement's, or hidden sizes differ.
+        ConfigError: the shard's experts differ from the placement's, or hidden sizes or dtypes
+            differ (the experts compute in their rows' dtype, the layout's).
     """
 
     def __init__(
@@ -52,6 +53,10 @@ class EpMoELayer:
             )
         if experts.num_local_experts and experts.w_gate.shape[2] != lay.hidden:
             raise ConfigError(f"expert hidden {experts.w_gate.shape[2]}, layout hidden {lay.hidden}")
+        if experts.w_gate.dtype != lay.dtype:
+            raise ConfigError(
+                f"rank {lay.rank}: expert weights are {experts.w_gate.dtype}, the layout carries {lay.dtype} rows"
+            )
         self.comm = comm
         self.experts = experts
         self.gate_weight = gate_weight
@@ -72,6 +77,7 @@ class EpMoELayer:
         gate_weight: torch.Tensor | None = None,
         shared: SharedExpertWeights | None = None,
         wire: str = "bf16",
+        dtype: torch.dtype | None = None,
         backend: str | None = None,
         session: Any = None,
     ) -> EpMoELayer:
@@ -83,12 +89,14 @@ class EpMoELayer:
                 model's ExpertWeights).
             placement: default: contiguous blocks of experts, rank order ring.
             router: default: softmax top-k with renormalisation.
+            dtype: the rows' dtype, the model's (default: the experts' weights').
             wire, backend, session: see `EpLayout` and `create_communicator`.
         """
         placement = placement or ExpertPlacement.contiguous(ctx.rank, ctx.world_size, num_experts)
         # w_gate is [El, F, D] even for a rank that holds no expert (El = 0, when W > E)
         hidden = int(experts.w_gate.shape[2])
-        layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire)
+        dtype = dtype or experts.w_gate.dtype
+        layout = EpLayout(placement, hidden, top_k, max_tokens_per_rank, wire, dtype)
         router = router or RouterConfig(num_experts, top_k)
         shard = (
             experts
