@@ -232,6 +232,31 @@ def test_the_engine_sends_the_wire_it_is_given() -> None:
     print(f"fp8 wire: first logits moved by {min(moved):.3f}-{max(moved):.3f} of the largest |logit|")
 
 
+def _engine_with_this_ranks_options(ctx) -> str:
+    """Rank 1 started with another dtype and KV format than rank 0 (another node's command line)."""
+    from zerodram.runtime.engine import EngineConfig
+    from zerodram.runtime.engine.build import build_engine
+
+    torch.set_num_threads(1)
+    config = EngineConfig(kv_format=("fp32", "bf16")[ctx.rank], num_kv_pages=8, page_size=4)
+    try:
+        build_engine("random:tiny-moe", ctx, config, dtype=("fp32", "bf16")[ctx.rank], seed=5)
+    except ConfigError as err:
+        return str(err)
+    return "built"
+
+
+def test_ranks_started_with_different_options_are_refused_on_every_rank() -> None:
+    """Every rank raises the same error, naming each differing option, before any buffer or
+    expert-parallel collective (which would exchange rows of other sizes, or wait forever)."""
+    results = run_ranks(_engine_with_this_ranks_options, 2, timeout_s=120, rank_timeout_s=30)
+    assert results[0] == results[1]
+    assert results[0].startswith("ranks were started with different settings (every rank needs the same): ")
+    assert "dtype: rank 0 'fp32', rank 1 'bf16'" in results[0]
+    assert "engine.kv_format: rank 0 'fp32', rank 1 'bf16'" in results[0]
+    assert "model." not in results[0] and "seed" not in results[0]
+
+
 def test_a_wire_the_model_cannot_send_is_refused_by_name() -> None:
     """fp8 needs hidden % 128 (its scale groups) and runtime/moe's layer: both refused at build,
     before any collective, naming what is wrong."""

@@ -8,6 +8,7 @@ expert-parallel layer for the world, loads the tokenizer, and builds the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -94,6 +95,8 @@ def build_engine(
     )
     tokenizer = Tokenizer(rm.tokenizer_dir) if rm.tokenizer_dir is not None else None
     config = config or EngineConfig()
+    # before the first collective that the settings shape (expert parallelism, NVSHMEM buffers)
+    check_ranks_agree(ctx, engine_settings(rm, config, dtype, seed, ep_backend, ep_wire))
     model_ = build_model(
         rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend, ep_wire=ep_wire
     )
@@ -105,6 +108,63 @@ def build_engine(
         tuple(placement.owners(e) for e in range(placement.num_experts)) if placement is not None else None
     )
     return engine
+
+
+# EngineConfig fields that may differ between ranks: file paths of the KV calibration, which each
+# rank applies to its own KV cache only (and a node's path need not be another's).
+PER_RANK_FIELDS = ("kv_calibration", "kv_calibration_save")
+
+
+def engine_settings(
+    rm: RankModel, config: EngineConfig, dtype: str, seed: int, ep_backend: str | None, ep_wire: str
+) -> dict[str, str]:
+    """What every rank's engine must share, flat: field name -> its repr. The model by its config,
+    not its path, which may differ from node to node."""
+    out = {f"model.{k}": repr(v) for k, v in dataclasses.asdict(rm.config).items()}
+    out |= {"dtype": repr(dtype), "seed": repr(seed), "ep_backend": repr(ep_backend), "ep_wire": repr(ep_wire)}
+    for k, v in dataclasses.asdict(config).items():
+        if k not in PER_RANK_FIELDS:
+            out[f"engine.{k}"] = repr(v)
+    return out
+
+
+def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
+    """Raise the same ConfigError on every rank when any rank's settings differ from rank 0's.
+
+    Ranks started with other options (another node's command line, say) would otherwise build
+    buffers of other sizes or another wire and exchange garbage, or wait on each other forever.
+    One small exchange at construction, on the CPU group; every rank sees every rank's settings, so
+    they all raise, or none does.
+
+    Raises:
+        ConfigError: naming each differing field with rank 0's value and the other ranks'.
+        RankTimeoutError: the exchange failed or a rank never joined it.
+    """
+    world_size = getattr(ctx, "world_size", 1)
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    from zerodram.runtime.errors import ConfigError, RankTimeoutError
+
+    gathered: list[Any] = [None] * world_size
+    try:
+        dist.all_gather_object(gathered, settings, group=getattr(ctx, "cpu_group", None))
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise RankTimeoutError(
+            f"rank {ctx.rank}/{world_size}: exchanging the engine settings failed or waited more than "
+            f"{getattr(ctx, 'timeout_s', 0):g}s: {first}"
+        ) from err
+    diffs = []
+    for key in sorted(set().union(*gathered)):
+        values = [g.get(key, "(unset)") for g in gathered]
+        others = [f"rank {r} {v}" for r, v in enumerate(values) if r and v != values[0]]
+        if others:
+            diffs.append(f"{key}: rank 0 {values[0]}, " + ", ".join(others))
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        raise ConfigError(f"ranks were started with different settings (every rank needs the same): {shown}")
 
 
 __all__ = ["Engine", "EngineConfig", "StepStats", "build_engine", "build_model"]
