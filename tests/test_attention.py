@@ -234,6 +234,23 @@ def test_quad_layout_refuses_e8m0_value_scales_the_kernel_would_clip() -> None:
         att.check_tables(layer, batch)
 
 
+def test_check_tables_refuses_two_sequences_in_one_bf16_slot() -> None:
+    """A slot's sinks and tail are one sequence's; a batch that names it twice would have the other
+    row attend them, silently (the decode reads whatever slot it is given)."""
+    from dataclasses import replace
+
+    layer, batch, g = paged_case([70, 0, 100], [3, 5, 2], 5, Hkv=2, P=64, D=128, device="cpu")
+    att = make_attention("cpu")
+    att.check_tables(layer, batch)  # slots 0, 1, 2
+    shared = replace(batch, hp_slot=torch.tensor([2, 1, 2], dtype=torch.int32))
+    q = torch.randn(3, 8, 128, generator=g)
+    assert not torch.equal(att(q, layer, shared)[0], att(q, layer, batch)[0])  # row 0 reads row 2's tail
+    with pytest.raises(KVInputError, match=r"sequences 0 and 2 both name hp_slot 2: \[2, 1, 2\]"):
+        att.check_tables(layer, shared)
+    with pytest.raises(KVInputError, match=r"sequences 1 and 2 both name hp_slot 0"):
+        att.check_tables(layer, replace(batch, hp_slot=torch.tensor([1, 0, 0], dtype=torch.int32)))
+
+
 def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
     from zerodram.runtime.kv.levels import named_levels
     from zerodram.runtime.kv.quantize import dequantize_blocks, quantize_blocks
@@ -263,7 +280,8 @@ def test_cpu_writer_round_trips_through_the_kv_quantizer() -> None:
 def test_cpu_writer_refuses_bad_tables_pools_and_values_and_writes_nothing() -> None:
     """The writer's boundary: the block table's dtype and shape, the layer's pools against the
     writer's head dim and blocks, and (on CPU) seq_idx / fp2_idx within the table, the page ids
-    found there within the pool and y finite, each refused before anything is written."""
+    found there within the pool and y finite and within the stored range, each refused before
+    anything is written."""
     from dataclasses import replace
 
     from zerodram.runtime.kv.errors import KVNonFiniteError
@@ -305,6 +323,10 @@ def test_cpu_writer_refuses_bad_tables_pools_and_values_and_writes_nothing() -> 
             rf"non-finite V value {bad} at token 2 \(block-table row 0, FP2 token 3\), KV head 1, channel 5; "
             "nothing was written", y=y_bad, error=KVNonFiniteError,
         )  # fmt: skip
+    y_big = y.clone()
+    y_big[1, 0, 0, 9] = -(2.0**57)  # past the stored range (2^56), where the kernel equals the reference
+    refuses(r"K value -1\.44\d*e\+17 at token 1 \(block-table row 1, FP2 token 9\), KV head 0, channel 9 is past "
+            r"the stored range \+-2\^56", y=y_big)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, (layer.k_codes, layer.k_scales, layer.v_codes, layer.v_scales), strict=True))
     w.write(y, s, f, layer, table)  # the same call, valid, writes
     assert not torch.equal(before[1], layer.k_scales)

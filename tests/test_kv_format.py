@@ -170,3 +170,19 @@ def test_nan_is_rejected_with_position() -> None:
 def test_rotation_is_orthogonal() -> None:
     r = rotation_matrix(64, 7)
     assert torch.allclose(r @ r.T, torch.eye(64), atol=1e-5)
+
+
+@pytest.mark.parametrize("sdt", ["e8m0", "e4m3"])
+def test_fake_quantize_reads_back_within_the_dtype(sdt: str) -> None:
+    """A value read back past its dtype's max saturates there: fp16 K/V at 65000 read back as
+    81920 with an E8M0 scale (a power of two, rounded up), which the cast turned into inf."""
+    from zerodram.runtime.kv.format import Fp2TensorSpec
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 2, 64, generator=g).to(torch.float16)
+    x[0, 0, :32], x[1, 1, 7] = 65000.0, -65000.0
+    spec = Fp2TensorSpec(block_axis="channel", block_size=32, scale_rule="absmax", scale_dtype=sdt, rotate=False)
+    back = fake_quantize(x, spec, _params(64, 2, False), staged=True)
+    assert back.dtype == torch.float16 and bool(torch.isfinite(back).all())
+    if sdt == "e8m0":
+        assert float(back[0, 0, :32].max()) == torch.finfo(torch.float16).max

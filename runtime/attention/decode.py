@@ -268,7 +268,8 @@ class Fp2DecodeAttention:
             )
 
     def check_tables(self, layer: Fp2Layer, batch: DecodeBatch) -> None:
-        """Page ids and lengths against the pool (synchronises). Raises KVInputError."""
+        """Page ids, lengths and bf16 slots (in range, one sequence each) against the pool
+        (synchronises). Raises KVInputError."""
         P, NP = self.page_size, layer.k_codes.shape[0]
         lens = batch.fp2_len.cpu()
         if int(lens.min()) < 0 or int(lens.max()) > self.max_fp2_tokens:
@@ -283,6 +284,14 @@ class Fp2DecodeAttention:
         hs = batch.hp_slot.cpu()
         if int(hs.min()) < 0 or int(hs.max()) >= batch.hp_k.shape[0]:
             raise KVInputError(f"hp_slot outside [0, {batch.hp_k.shape[0]}): {hs.tolist()}")
+        # A slot holds one sequence's bf16 rows (its sinks and tail, written by its own appends): two
+        # batch rows naming one slot would both attend that sequence's recent tokens. (The padding
+        # rows of the engine's static steps share the scratch slot; those steps never come here.)
+        first_row: dict[int, int] = {}
+        for b, slot in enumerate(hs.tolist()):
+            a = first_row.setdefault(slot, b)
+            if a != b:
+                raise KVInputError(f"sequences {a} and {b} both name hp_slot {slot}: {hs.tolist()}")
         lv = layer.levels.cpu()
         sides = lv.view(2, 4)  # K's four, then V's
         if not bool(torch.isfinite(lv).all()) or not bool((sides[:, 1:] > sides[:, :-1]).all()):

@@ -6,6 +6,8 @@ Shape legend: N written tokens, Hkv kv heads, D head dim, NP pages, P page size.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zerodram.runtime.attention.inputs import Fp2Layer, expect_input, expect_layer
@@ -13,6 +15,7 @@ from zerodram.runtime.device import canonical_device
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.kv.errors import KVInputError, KVNonFiniteError
 from zerodram.runtime.kv.pack import CodeLayout
+from zerodram.runtime.kv.quantize import STORED_MAX
 
 
 class Fp2Writer:
@@ -67,9 +70,11 @@ class Fp2Writer:
         CUDA graph may capture the GPU write, as benchmarks/attention.py does), the dtypes, shapes,
         devices and contiguity of every input, and the layer's pools against this writer's head
         dim and blocks. On CPU also the values: seq_idx within the table's rows, fp2_idx within its
-        pages, the page ids found there within the pool, y finite. On a GPU the values are the
-        caller's (reading them back would sync every call): the kernel reads the table and writes
-        through its page ids unchecked (docs/fp2-kernel.md), and nothing refuses a NaN or Inf in y.
+        pages, the page ids found there within the pool, y finite and within +-STORED_MAX (2^56,
+        the stored range, where the kernel equals this reference). On a GPU the values are the caller's (reading
+        them back would sync every call): the kernel reads the table and writes through its page ids
+        unchecked (docs/fp2-kernel.md), and nothing refuses a NaN or Inf in y, or a value past the
+        stored range (finite codes and scales still; with E8M0 scales, from ~2^60, not the CPU's).
 
         Raises:
             KVInputError: any of the above, before anything is written (KVNonFiniteError for
@@ -136,11 +141,17 @@ def _checked_pages(
             f"token {i}: FP2 token {int(fp2_idx[i])} of block-table row {int(seq_idx[i])} is in page "
             f"{int(page[i])}, outside the pool of {NP} pages (-1: none allocated)"
         )
-    bad = ~torch.isfinite(y)  # [N, Hkv, 2, D]
+    bad = ~(y.abs() <= STORED_MAX)  # [N, Hkv, 2, D]: NaN, +-Inf, or past the stored range
     if bool(bad.any()):  # worded as the cache's appends word it (runtime/kv/quantize.check_finite)
         i, h, side, c = (int(j) for j in bad.nonzero()[0])
-        raise KVNonFiniteError(
-            f"{'KV'[side]} value {float(y[i, h, side, c])} at token {i} (block-table row {int(seq_idx[i])}, "
+        value = float(y[i, h, side, c])
+        where = (
+            f"{'KV'[side]} value {value} at token {i} (block-table row {int(seq_idx[i])}, "
             f"FP2 token {int(fp2_idx[i])}), KV head {h}, channel {c}"
         )
+        if not math.isfinite(value):
+            raise KVNonFiniteError(where)
+        # Past the stored range: from ~2^60 the E8M0 write kernel's fp32 squared errors overflow and
+        # it keeps the first candidate scale, unlike this reference.
+        raise KVInputError(f"{where} is past the stored range +-2^56 (STORED_MAX); nothing was written")
     return page

@@ -26,6 +26,13 @@ from zerodram.runtime.kv.scales import round_scale
 # Candidate scales of the MSE search, as fractions of absmax / max|level|.
 MSE_FRACTIONS = torch.linspace(0.2, 1.0, 33)
 _CHUNK_ELEMS = 1 << 21  # bound the [C, NB, BS] search temporaries
+# The stored range: quantize_blocks and the write kernels take stored values within +-STORED_MAX
+# (Fp2Writer refuses larger ones on CPU). No real K/V comes within many orders of magnitude: the
+# FP2 codes themselves clip near the largest scale times the largest level (448 x 1.75 with E4M3).
+# Below it what follows stays finite, and the kernels equal to the reference: every scale format's
+# scales and offsets, the rms rule's squares, the read back, a block's squared errors (fp32 in
+# attn_fp2_write: 128 x ((1 + sqrt 2) 2^56)^2 < 2^122 with an E8M0 scale rounded up).
+STORED_MAX = 2.0**56
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,8 @@ def quantize_blocks(
     asymmetric: bool = False,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Quantize blocks of normalised values. yb: [..., BS] fp32; weights broadcastable to yb.
+    """Quantize blocks of normalised values. yb: [..., BS] fp32 within +-STORED_MAX (past it
+    scales, offsets and errors may overflow); weights broadcastable to yb.
 
     Returns (codes uint8 [..., BS], scales [...], offsets [...] or None). Elements of zero weight
     (sparse outliers) do not influence the scale.
@@ -195,7 +203,15 @@ def dequantize_blocks(
 
 
 def to_stored_space(x: torch.Tensor, params: SideParams) -> torch.Tensor:
-    """x [T, H, D] -> y = ((x - center) @ R) / anchor, fp32 [T, H, D]."""
+    """x [T, H, D] -> y = ((x - center) @ R) / anchor, fp32 [T, H, D].
+
+    Not saturated. Hazard: a finite x near its dtype's max (~1e36 and up, 30 orders past real K/V)
+    can give +-inf or NaN here (the rotation's sums, the division by a small anchor) or past bf16's
+    max in the callers' bf16 cast; the engine then fails that request at the next layer's or the
+    sampler's non-finite check (docs/fp2-format.md, "Non-finite input"). A clamp here would cost a
+    launch or two per side on every decode step's write (this runs on the step's hot path), for
+    values no model gives; the write kernel taking x itself would make it free.
+    """
     y = x.float()
     if params.center is not None:
         y = y - params.center
@@ -310,6 +326,8 @@ def fake_quantize(
     layer_idx: int = 0,
     staged: bool = False,
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved (`staged`: see `quantize_tokens`)."""
+    """dequantize(quantize(x)) for x [T, H, D]; dtype preserved (`staged`: see `quantize_tokens`),
+    finite: a value read back past the dtype's max (a scale rounds up) saturates there."""
     q = quantize_tokens(x, spec, params, what=what, layer_idx=layer_idx, staged=staged)
-    return dequantize_tokens(q, spec, params).to(x.dtype)
+    top = torch.finfo(x.dtype if x.dtype.is_floating_point else torch.float32).max
+    return dequantize_tokens(q, spec, params).clamp_(-top, top).to(x.dtype)
