@@ -20,7 +20,9 @@ def _engine(kv: str):
 
 def _poison(engine, where: str) -> None:
     """Make request TARGET's K non-finite once, in layer LAYER, at its first decode step or prefill
-    chunk (the model itself stays intact: only what reaches the KV partition is changed)."""
+    chunk (the model itself stays intact: only what reaches the KV partition is changed). "huge":
+    a whole decode row of finite 3e38, whose FP2 stored value overflows (not saturated:
+    docs/fp2-format.md, "Non-finite input")."""
     kv, done = engine.kv, []
 
     def write(layer_idx, seq_id, start_pos, k, v, _orig=kv.write):
@@ -31,9 +33,12 @@ def _poison(engine, where: str) -> None:
         return _orig(layer_idx, seq_id, start_pos, k, v)
 
     def write_decode(layer_idx, seq_ids, positions, k, v, _orig=kv.write_decode):
-        if where == "decode" and not done and layer_idx == LAYER and TARGET in seq_ids:
+        if where in ("decode", "huge") and not done and layer_idx == LAYER and TARGET in seq_ids:
             k = k.clone()
-            k[list(seq_ids).index(TARGET), 1, 2] = float("inf")
+            if where == "huge":
+                k[list(seq_ids).index(TARGET)] = 3e38
+            else:
+                k[list(seq_ids).index(TARGET), 1, 2] = float("inf")
             done.append(1)
         return _orig(layer_idx, seq_ids, positions, k, v)
 
@@ -59,6 +64,23 @@ def test_nonfinite_kv_ends_only_its_request(kv: str, where: str) -> None:
     assert engine.kv.num_free_pages() == engine.kv.num_pages  # the failed request's pages came back
     assert engine.kv.take_nonfinite() == {}
     assert len(errors) == 1 and f"request {TARGET} stopped" in errors[0]
+
+
+def test_fp2_stored_value_overflow_ends_only_its_request() -> None:
+    """Finite K past what the FP2 stored space holds: the token is stored as inf / NaN, and the
+    request ends at its next non-finite check (a later layer's K/V or its logits); the others go
+    on with a clean run's tokens and every page comes back."""
+    torch.manual_seed(0)
+    kv = "fp2:kblk=c16,vblk=c16,tail=1,window=3"
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = _engine(kv).generate(PROMPTS, params)
+    engine = _engine(kv)
+    _poison(engine, "huge")
+    outs = engine.generate(PROMPTS, params)
+    assert outs[TARGET].finish_reason == "error" and "non-finite" in outs[TARGET].error, outs[TARGET]
+    for i in (0, 2):
+        assert outs[i].error is None and outs[i].token_ids == clean[i].token_ids
+    assert engine.kv.num_free_pages() == engine.kv.num_pages
 
 
 @pytest.mark.gpu
