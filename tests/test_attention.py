@@ -234,6 +234,30 @@ def test_quad_layout_refuses_e8m0_value_scales_the_kernel_would_clip() -> None:
         att.check_tables(layer, batch)
 
 
+@pytest.mark.parametrize("v_layout", ["token", "quad"])
+def test_e8m0_key_and_token_value_scales_past_the_kernels_fp16_are_refused(v_layout: str) -> None:
+    """The kernels expand E8M0 scales into fp16, clamped to 2^15 (the int8 key path reads key scales
+    in fp32, unclamped); the reference does not clamp."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(5)
+    layer = replace(random_fp2_layer(4, 2, 64, 128, scale_dtype="e8m0", generator=g), v_layout=v_layout)
+    batch = random_decode_batch([70, 100], [3, 0], 4, 2, 64, 128, generator=g)
+    f16_keys = make_attention("cpu", scale_dtype="e8m0", v_layout=v_layout, key_s8=False)
+    s8_keys = make_attention("cpu", scale_dtype="e8m0", v_layout=v_layout, key_s8=True)
+    layer.k_scales[0, 1, 3, 0] = 127 + 15
+    f16_keys.check_tables(layer, batch)
+    layer.k_scales[0, 1, 3, 0] = 127 + 16
+    with pytest.raises(KVInputError, match=r"E8M0 key scale of 2\^16 exceeds the key kernel's 2\^15"):
+        f16_keys.check_tables(layer, batch)
+    s8_keys.check_tables(layer, batch)
+    if v_layout == "token":
+        layer.k_scales[0, 1, 3, 0] = 127
+        layer.v_scales[1, 0, 5, 1] = 127 + 16
+        with pytest.raises(KVInputError, match=r"E8M0 value scale of 2\^16 exceeds the token kernel's 2\^15"):
+            s8_keys.check_tables(layer, batch)
+
+
 def test_check_tables_refuses_two_sequences_in_one_bf16_slot() -> None:
     """A slot's sinks and tail are one sequence's; a batch that names it twice would have the other
     row attend them, silently (the decode reads whatever slot it is given)."""
