@@ -25,7 +25,7 @@ PROMPTS = (
 )
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     from zerodram.launch.dashboard import add_dashboard_args
     from zerodram.runtime.argtypes import int_at_least
     from zerodram.runtime.engine.jobs import add_engine_args
@@ -40,13 +40,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_job_args(argv: list[str], node_rank: int) -> None:
-    """The launching process's check (worker.CHECKS): the options, and that --svg can be written."""
-    from zerodram.launch.dashboard import check_output_paths
-
-    check_output_paths(_parse(argv))
-
-
 def demo_job(ctx: Any, argv: list[str]) -> int:
     """The demo worker job. Every rank runs it (the engine loop is collective); rank 0 returns 1
     when an answer failed or the --svg could not be saved, else 0."""
@@ -56,7 +49,7 @@ def demo_job(ctx: Any, argv: list[str]) -> int:
     from zerodram.runtime.engine.jobs import build_from_args
     from zerodram.runtime.engine.request import SamplingParams
 
-    args = _parse(argv)
+    args = parse_args(argv)
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # four ranks on two cores: OpenMP spinning would swamp them
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     from zerodram.launch.dashboard import add_dashboard_args
     from zerodram.runtime.engine.jobs import add_engine_args
 
@@ -27,16 +27,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_job_args(argv: list[str], node_rank: int) -> None:
-    """The launching process's check (worker.CHECKS): the options, and on node 0 (where rank 0
-    reads and writes) that the output paths can be written."""
-    from zerodram.launch.dashboard import check_output_paths
-
-    job_args = _parse(argv)
-    if node_rank == 0:
-        check_output_paths(job_args)
-
-
 def serve_job(ctx: Any, argv: list[str]) -> int:
     """The serve worker job; returns 0. Every rank runs it; rank 0 reads and writes."""
     import torch
@@ -45,7 +35,7 @@ def serve_job(ctx: Any, argv: list[str]) -> int:
     from zerodram.launch.observe import observe
     from zerodram.runtime.engine.jobs import build_from_args, serve_lines
 
-    args = _parse(argv)
+    args = parse_args(argv)
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # several ranks share few cores
     with build_from_args(args, ctx) as engine:

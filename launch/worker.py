@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from zerodram.runtime.errors import ConfigError, ZerodramError
 
@@ -22,22 +23,37 @@ JOBS = {
     "serve": "zerodram.launch.serve_cmd:serve_job",
     "demo": "zerodram.launch.demo_cmd:demo_job",
 }
-# name -> "module:function", run once by `zerodram launch` before torchrun starts, as
-# `fn(argv, node_rank)`: it parses the job's options, so that --help or a bad value is answered by
-# one process rather than by every rank (and not after the model loaded).
-CHECKS = {
-    "serve": "zerodram.launch.serve_cmd:check_job_args",
-    "demo": "zerodram.launch.demo_cmd:check_job_args",
+# name -> "module:function" of the job's option parser, `parse_args(argv) -> Namespace`. `zerodram
+# launch` runs it once before torchrun starts (`check_job`), so that --help or a bad value is
+# answered by one process rather than by every rank (and not after the model loaded).
+PARSERS = {
+    "serve": "zerodram.launch.serve_cmd:parse_args",
+    "demo": "zerodram.launch.demo_cmd:parse_args",
 }
 
 
-def check_job(job: str, argv: list[str], node_rank: int) -> None:
-    """Refuse an unknown job, and check a known job's options, in the launching process."""
+def _load(job: str, table: dict[str, str]) -> Callable:
     if job not in JOBS:
         raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
-    if job in CHECKS:
-        module, fn = CHECKS[job].split(":")
-        getattr(importlib.import_module(module), fn)(argv, node_rank)
+    module, fn = table[job].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def check_job(job: str, argv: list[str], node_rank: int) -> None:
+    """In the launching process: refuse an unknown job, parse a known job's options, and on node 0
+    (where rank 0 runs and writes) check the output paths they name.
+
+    Raises:
+        ConfigError: an unknown job or an unwritable output path. SystemExit: argparse's, for
+            --help (0) or a bad option (2).
+    """
+    _load(job, JOBS)
+    if job in PARSERS:
+        from zerodram.launch.dashboard import check_output_paths
+
+        args = _load(job, PARSERS)(argv)
+        if node_rank == 0:
+            check_output_paths(args)
 
 
 def run_job(job: str, argv: list[str]) -> int:
@@ -46,10 +62,7 @@ def run_job(job: str, argv: list[str]) -> int:
     from zerodram.runtime.envs import ENVS
     from zerodram.runtime.topology import load_topology, resolve_topology_path
 
-    if job not in JOBS:
-        raise ZerodramError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
-    module, fn = JOBS[job].split(":")
-    target = getattr(importlib.import_module(module), fn)
+    target = _load(job, JOBS)
     topo_name = ENVS.TOPOLOGY.get()
     topology = load_topology(resolve_topology_path(topo_name)) if topo_name else None
     with RankContext.create(topology) as ctx:

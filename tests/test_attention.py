@@ -256,6 +256,15 @@ def test_e8m0_key_and_token_value_scales_past_the_kernels_fp16_are_refused(v_lay
         layer.v_scales[1, 0, 5, 1] = 127 + 16
         with pytest.raises(KVInputError, match=r"E8M0 value scale of 2\^16 exceeds the token kernel's 2\^15"):
             s8_keys.check_tables(layer, batch)
+    # only the batch's tokens count: rows past a sequence's length may be unwritten (0xFF, which
+    # the kernels mask) or stale
+    layer.k_scales[0, 1, 3, 0] = layer.v_scales[1, 0, 5, 1] = 127
+    last, n = batch.block_table[0, 1], int(batch.fp2_len[0]) - 64  # sequence 0's last page, its rows
+    layer.k_scales[last, :, n:] = layer.v_scales[last, :, n:] = 0xFF
+    f16_keys.check_tables(layer, batch)
+    layer.k_scales[last, 0, n - 1, 0] = 127 + 16
+    with pytest.raises(KVInputError, match=r"E8M0 key scale of 2\^16"):
+        f16_keys.check_tables(layer, batch)
 
 
 def test_check_tables_refuses_two_sequences_in_one_bf16_slot() -> None:

@@ -256,11 +256,10 @@ def test_rows_are_checked_against_the_layout() -> None:
     check_rows(torch.zeros(3, D), lay32, "x")
     with pytest.raises(ConfigError, match=r"row dtype torch\.float64"):
         EpLayout(lay.placement, D, K, TM, dtype=torch.float64)
-    # the NVSHMEM kernels move bf16 rows: another layout is refused at construction
-    ctx = SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"), timeout_s=5.0)
-    with pytest.raises(
-        ConfigError, match=r"NVSHMEM backend moves bf16 rows, this layout carries torch\.float32"
-    ):
+    # the NVSHMEM kernels move bf16 rows: another layout is refused at construction (before the
+    # device is touched: the context only says cuda)
+    ctx = SimpleNamespace(rank=1, world_size=2, device=torch.device("cuda"), timeout_s=5.0)
+    with pytest.raises(ConfigError, match=r"EP backend nvshmem moves bf16 rows, this model computes in torch\.float32"):
         NvshmemComm.create(ctx, lay32)
     # the experts compute in their rows' dtype
     w = torch.zeros(len(lay.local_experts), 4, D)

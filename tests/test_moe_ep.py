@@ -257,6 +257,34 @@ def test_ranks_started_with_different_options_are_refused_on_every_rank() -> Non
     assert "model." not in results[0] and "seed" not in results[0]
 
 
+def _engine_with_this_ranks_calibration_and_backend(ctx) -> str:
+    """Rank 1 calibrates from a file where rank 0 runs the collective "auto", and its environment
+    names another EP backend (what each rank would do, not what it was told, is compared)."""
+    import os
+
+    from zerodram.runtime.engine import EngineConfig
+    from zerodram.runtime.engine.build import build_engine
+
+    torch.set_num_threads(1)
+    os.environ["ZERODRAM_EP_BACKEND"] = ("torch", "nvshmem")[ctx.rank]
+    calib = ("auto", "/nonexistent/kv.json")[ctx.rank]
+    config = EngineConfig(kv_format="fp2:kblk=c16,vblk=c16,tail=1,window=3", num_kv_pages=8, page_size=32,
+                          kv_calibration=calib, kv_calibration_save=f"/tmp/rank{ctx.rank}.json")  # fmt: skip
+    try:
+        build_engine("random:tiny-moe", ctx, config, seed=5)
+    except ConfigError as err:
+        return str(err)
+    return "built"
+
+
+def test_ranks_that_would_calibrate_or_exchange_differently_are_refused() -> None:
+    results = run_ranks(_engine_with_this_ranks_calibration_and_backend, 2, timeout_s=120, rank_timeout_s=30)
+    assert results[0] == results[1]
+    assert "engine.kv_calibration: rank 0 'auto', rank 1 'a file'" in results[0]
+    assert "ep_backend: rank 0 'torch', rank 1 '(refused: EP backend nvshmem needs a GPU; rank 1 runs on cpu)'" in results[0]
+    assert "kv_calibration_save" not in results[0]
+
+
 def test_a_wire_the_model_cannot_send_is_refused_by_name() -> None:
     """fp8 needs hidden % 128 (its scale groups) and runtime/moe's layer: both refused at build,
     before any collective, naming what is wrong."""

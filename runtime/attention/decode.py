@@ -308,26 +308,34 @@ class Fp2DecodeAttention:
                 f"key_s8 needs key levels that are int8 multiples of 1/64 (1/32 if a level reaches 2): "
                 f"{lv[:4].tolist()}; build the attention with key_s8=False"
             )
+        table = batch.block_table.cpu()
+        written = torch.zeros(NP, P, dtype=torch.bool)  # [NP, P]: the batch's FP2 token rows
+        for b, n in enumerate(lens.tolist()):
+            used = table[b, : (n + P - 1) // P]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NP):
+                raise KVInputError(f"sequence {b}: page ids {used.tolist()} outside the pool of {NP} pages")
+            if used.numel():
+                written[used[:-1].long()] = True
+                written[int(used[-1]), : n - P * (used.numel() - 1)] = True
         if self.scale_dtype == "e8m0":
             # The kernels expand E8M0 scales into fp16 (attn_fp2_common.cuh, scales_to_half2),
             # clamped to 2^15, except the int8 key path's (fp32, unclamped); the quad value path
             # multiplies P (<= 2^7) by the value scale in fp16 and clamps to 2^8. The reference does
-            # not clamp: refuse what the kernel would clip. (The low clamp, 2^-14, only lifts
-            # near-zero blocks, by less than 2^-14 per element.)
+            # not clamp: refuse what the kernel would clip. Only the batch's tokens: other rows may
+            # be stale or unwritten (0xFF, which the kernels mask). (The low clamp, 2^-14, only
+            # lifts near-zero blocks, by less than 2^-14 per element.)
             v_cap = 8 if self.v_layout == "quad" else 15
+            rows = written.to(layer.k_scales.device)
             for side, scales, cap in (("key", layer.k_scales, 15), ("value", layer.v_scales, v_cap)):
-                top = int(scales.max()) - 127
-                if top > cap and not (side == "key" and self.key_s8):
+                if (side == "key" and self.key_s8) or not bool(rows.any()):
+                    continue
+                top = int(scales.transpose(1, 2)[rows].max()) - 127  # [N, Hkv, NB] -> one byte
+                if top > cap:
                     raise KVInputError(
                         f"an E8M0 {side} scale of 2^{top} exceeds the {self.v_layout if side == 'value' else 'key'} "
                         f"kernel's 2^{cap} ({side} blocks beyond {2**cap} times the largest level in the "
                         "unit-RMS stored space)"
                     )
-        table = batch.block_table.cpu()
-        for b, n in enumerate(lens.tolist()):
-            used = table[b, : (n + P - 1) // P]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NP):
-                raise KVInputError(f"sequence {b}: page ids {used.tolist()} outside the pool of {NP} pages")
 
     def __call__(
         self,

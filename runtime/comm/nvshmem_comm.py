@@ -104,15 +104,11 @@ class NvshmemComm(Communicator):
             ConfigError: layout/context mismatch, a layout of other rows than bf16, or a peer that
                 no peer pointer reaches.
         """
-        from zerodram.runtime.comm import check_layout_matches
+        from zerodram.runtime.comm import check_layout_matches, resolve_backend
         from zerodram.runtime.envs import ENVS
 
         check_layout_matches(layout, ctx)
-        if layout.dtype != torch.bfloat16:  # the kernels store, pack and reduce bf16 rows
-            raise ConfigError(
-                f"the NVSHMEM backend moves bf16 rows, this layout carries {layout.dtype}: "
-                "use bf16 weights (--dtype bf16) or the torch backend (--ep-backend torch)"
-            )
+        resolve_backend(ctx, "nvshmem", layout.dtype)  # a GPU, and bf16 rows (what the kernels move)
         timeout_s = timeout_s or ENVS.EP_DEVICE_TIMEOUT_S.get() or ctx.timeout_s
         owned = session is None
         if session is None:

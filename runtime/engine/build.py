@@ -75,7 +75,9 @@ def build_engine(
     """Load `model` (see `ModelSpec.parse`) for this rank and return its engine.
 
     Raises:
-        ConfigError: bad model argument, checkpoint, or engine limits.
+        ConfigError: bad model argument, checkpoint, or engine limits; on every rank, ranks whose
+            settings differ (`check_ranks_agree`).
+        RankTimeoutError: a rank never joined that check.
     """
     from zerodram.runtime.loading.tokenizer import Tokenizer
 
@@ -96,7 +98,7 @@ def build_engine(
     tokenizer = Tokenizer(rm.tokenizer_dir) if rm.tokenizer_dir is not None else None
     config = config or EngineConfig()
     # before the first collective that the settings shape (expert parallelism, NVSHMEM buffers)
-    check_ranks_agree(ctx, engine_settings(rm, config, dtype, seed, ep_backend, ep_wire))
+    check_ranks_agree(ctx, engine_settings(ctx, rm, config, dtype, seed, ep_backend, ep_wire))
     model_ = build_model(
         rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend, ep_wire=ep_wire
     )
@@ -110,20 +112,33 @@ def build_engine(
     return engine
 
 
-# EngineConfig fields that may differ between ranks: file paths of the KV calibration, which each
-# rank applies to its own KV cache only (and a node's path need not be another's).
-PER_RANK_FIELDS = ("kv_calibration", "kv_calibration_save")
-
-
 def engine_settings(
-    rm: RankModel, config: EngineConfig, dtype: str, seed: int, ep_backend: str | None, ep_wire: str
+    ctx: Any, rm: RankModel, config: EngineConfig, dtype: str, seed: int, ep_backend: str | None, ep_wire: str
 ) -> dict[str, str]:
-    """What every rank's engine must share, flat: field name -> its repr. The model by its config,
-    not its path, which may differ from node to node."""
+    """What every rank's engine must share, flat: field name -> its repr.
+
+    As each rank will use it, not as it was spelled: the model by its config (a node's checkpoint
+    path need not be another's), the expert placement (each node reads its own topology file), the
+    EP backend resolved (a rank's ZERODRAM_EP_BACKEND, device and nvshmem4py decide "auto"; a rank
+    that cannot have it shows its error), and the KV calibration by its mode: "auto" is collective
+    (prefill through the experts, then broadcasts), "none" and a file are not; the files' paths
+    may differ, and each rank applies its file to its own KV.
+    """
+    from zerodram.runtime.comm import resolve_backend
+    from zerodram.runtime.errors import ConfigError
+
     out = {f"model.{k}": repr(v) for k, v in dataclasses.asdict(rm.config).items()}
-    out |= {"dtype": repr(dtype), "seed": repr(seed), "ep_backend": repr(ep_backend), "ep_wire": repr(ep_wire)}
+    p = rm.placement
+    out["placement"] = repr(None if p is None else tuple(p.owners(e) for e in range(p.num_experts)))
+    try:
+        backend = resolve_backend(ctx, ep_backend, DTYPES[dtype])
+    except ConfigError as err:
+        backend = f"(refused: {err})"
+    out |= {"dtype": repr(dtype), "seed": repr(seed), "ep_backend": repr(backend), "ep_wire": repr(ep_wire)}
     for k, v in dataclasses.asdict(config).items():
-        if k not in PER_RANK_FIELDS:
+        if k == "kv_calibration":
+            out["engine.kv_calibration"] = repr(v if v in ("auto", "none") else "a file")
+        elif k != "kv_calibration_save":  # a path, written by rank 0
             out[f"engine.{k}"] = repr(v)
     return out
 

@@ -81,8 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--ep-wire",
         choices=EP_WIRES,
         default=None,
-        help="how the dispatch sends a token's row to its experts' ranks: bf16, or fp8 (e4m3 values and "
-        "one scale per 128 channels: about half the bytes; needs hidden %% 128 == 0). The combine "
+        help="how the dispatch sends a token's row to its experts' ranks: bf16 (the rows as they are, in "
+        "the model's --dtype), or fp8 (e4m3 values and one scale per 128 channels: about half a bf16 "
+        "row's bytes, a quarter of an fp32 row's; needs hidden %% 128 == 0). The combine "
         "returns the model's rows either way; one rank sends nothing (default the topology's "
         "experts.wire, else bf16)",
     )
