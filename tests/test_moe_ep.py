@@ -257,6 +257,15 @@ def test_ranks_started_with_different_options_are_refused_on_every_rank() -> Non
     assert "model." not in results[0] and "seed" not in results[0]
 
 
+def test_long_settings_travel_as_digests() -> None:
+    from zerodram.runtime.engine.build import digested
+
+    long = repr(tuple((e % 8,) for e in range(4096)))
+    got = digested({"placement": long, "dtype": "'bf16'"})
+    assert got["dtype"] == "'bf16'" and got["placement"].startswith("(sha256 ") and len(got["placement"]) == 25
+    assert got != digested({"placement": long.replace("(7,)", "(6,)", 1), "dtype": "'bf16'"})
+
+
 def _engine_with_this_ranks_calibration_and_backend(ctx) -> str:
     """Rank 1 calibrates from a file where rank 0 runs the collective "auto", and its environment
     names another EP backend (what each rank would do, not what it was told, is compared)."""

@@ -9,6 +9,7 @@ expert-parallel layer for the world, loads the tokenizer, and builds the engine.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -143,6 +144,12 @@ def engine_settings(
     return out
 
 
+def digested(settings: dict[str, str], longest: int = 200) -> dict[str, str]:
+    """Values past `longest` characters (a placement of many experts) as digests: every rank receives
+    every rank's settings, so their size is multiplied by the world size."""
+    return {k: v if len(v) <= longest else f"(sha256 {hashlib.sha256(v.encode()).hexdigest()[:16]})" for k, v in settings.items()}
+
+
 def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
     """Raise the same ConfigError on every rank when any rank's settings differ from rank 0's.
 
@@ -162,6 +169,7 @@ def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
 
     from zerodram.runtime.errors import ConfigError, RankTimeoutError
 
+    settings = digested(settings)
     gathered: list[Any] = [None] * world_size
     try:
         dist.all_gather_object(gathered, settings, group=getattr(ctx, "cpu_group", None))
