@@ -183,8 +183,9 @@ def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
     for key in sorted(set().union(*gathered)):
         values = [g.get(key, "(unset)") for g in gathered]
         others = [f"rank {r} {v}" for r, v in enumerate(values) if r and v != values[0]]
-        if others:
-            diffs.append(f"{key}: rank 0 {values[0]}, " + ", ".join(others))
+        if others:  # a few ranks by name: with thousands of ranks, one line must stay one line
+            more = f", and {len(others) - 4} more ranks" if len(others) > 4 else ""
+            diffs.append(f"{key}: rank 0 {values[0]}, " + ", ".join(others[:4]) + more)
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
         raise ConfigError(f"ranks were started with different settings (every rank needs the same): {shown}")
