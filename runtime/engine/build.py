@@ -98,8 +98,8 @@ def build_engine(
     )
     tokenizer = Tokenizer(rm.tokenizer_dir) if rm.tokenizer_dir is not None else None
     config = config or EngineConfig()
-    # before the first collective that the settings shape (expert parallelism, NVSHMEM buffers)
-    check_ranks_agree(ctx, engine_settings(ctx, rm, config, dtype, seed, ep_backend, ep_wire))
+    if world_size > 1:  # before the first collective that the settings shape (EP, NVSHMEM buffers)
+        check_ranks_agree(ctx, engine_settings(ctx, rm, config, dtype, seed, ep_backend, ep_wire))
     model_ = build_model(
         rm, ctx, timer, max_step_tokens=config.scheduler.max_step_tokens, ep_backend=ep_backend, ep_wire=ep_wire
     )
