@@ -13,6 +13,7 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zerodram.launch.worker import check_job
@@ -45,6 +46,17 @@ class LaunchPlan:
             "zerodram.launch.worker",
             *self.job,
         ]
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """torchrun's environment: `base` plus the topology for the workers, and two defaults."""
+        # PYTHONSAFEPATH: `python -m` would put the working directory first on every worker's
+        # sys.path; run from a source checkout, our `kernels/` folder would then shadow the PyPI
+        # `kernels` package that transformers imports. zerodram comes from its install, not the cwd.
+        env = dict(base, ZERODRAM_TOPOLOGY=self.topology_path, PYTHONSAFEPATH="1")
+        # torchrun's own default for several ranks a node, set here so that it does not print a
+        # five-line warning about setting it; a value the user set stays
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     def command_for_node(self, node_rank: int) -> str:
         return shlex.join(
@@ -102,10 +114,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"node {plan.node_rank}: {shlex.join(argv)}", file=sys.stderr)
     if args.dry_run:
         return 0
-    # PYTHONSAFEPATH: `python -m` would put the working directory first on every worker's
-    # sys.path; run from a source checkout, our `kernels/` folder would then shadow the PyPI
-    # `kernels` package that transformers imports. zerodram comes from its install, not the cwd.
-    env = dict(os.environ, ZERODRAM_TOPOLOGY=plan.topology_path, PYTHONSAFEPATH="1")
+    env = plan.environment(os.environ)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, env)

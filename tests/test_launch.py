@@ -32,6 +32,14 @@ def test_plan_for_two_nodes() -> None:
     assert "--node-rank 0" in plan.command_for_node(0)
 
 
+def test_torchruns_environment_names_the_topology_and_keeps_the_users_threads() -> None:
+    plan = plan_launch("local-cpu-4", node_rank=0, master_port=None, job=["smoke"])
+    env = plan.environment({"PATH": "/bin"})
+    assert env["ZERODRAM_TOPOLOGY"].endswith("local-cpu-4.yaml") and env["PYTHONSAFEPATH"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
+    assert plan.environment({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+
+
 def test_dry_run_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "--topology", "hgx-h100-2x8", "--dry-run", "--", "smoke"]) == 0
     err = capsys.readouterr().err
