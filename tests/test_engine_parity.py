@@ -140,7 +140,7 @@ def test_smollm2_as_experts_matches_transformers(kv: str) -> None:
 def test_dense_as_moe_reproduces_the_dense_model() -> None:
     """Slicing the FFN into E experts with top-E unit weights gives the dense model's logits."""
     from zerodram.runtime.engine.kv import TorchPagedKV
-    from zerodram.runtime.loading.placement import ExpertPlacement
+    from zerodram.runtime.loading.placement import expert_layout
     from zerodram.runtime.loading.random_init import random_weights
     from zerodram.runtime.model.attention import PagedAttention
     from zerodram.runtime.model.batch import ForwardBatch
@@ -158,7 +158,7 @@ def test_dense_as_moe_reproduces_the_dense_model() -> None:
         mw[p + "experts.up"] = w[p + "ffn.up"].view(4, F, -1)
         mw[p + "experts.down"] = torch.stack(w[p + "ffn.down"].split(F, dim=1))
         mw[p + "experts.ids"] = torch.arange(4)
-    assert ExpertPlacement.contiguous(4, 2).local_experts(1) == (2, 3)
+    assert expert_layout(4, 2).local_experts(1) == (2, 3)
     logits = []
     for cfg, weights in ((dense, w), (moe_cfg, mw)):
         kv = TorchPagedKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 8, "fp32")

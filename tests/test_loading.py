@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from zerodram.runtime.errors import ConfigError
 from zerodram.runtime.loading.checkpoint import ModelSpec, load_for_rank
-from zerodram.runtime.loading.placement import ExpertPlacement
+from zerodram.runtime.loading.placement import expert_layout
 from zerodram.runtime.loading.random_init import random_weights
 from zerodram.runtime.loading.sources import SafetensorsDir
 from zerodram.runtime.loading.weights import load_model_weights
@@ -22,24 +23,27 @@ from zerodram.runtime.model.named import named_config
 
 
 def test_contiguous_placement_and_topology_override() -> None:
-    p = ExpertPlacement.contiguous(8, 4)
+    from zerodram.runtime.topology.placement import build_layout
+
+    p = expert_layout(8, 4)
     assert p.expert_to_rank == (0, 0, 1, 1, 2, 2, 3, 3)
     assert p.local_experts(3) == (6, 7)
-    assert ExpertPlacement.contiguous(2, 4).local_experts(1) == ()  # more ranks than experts
-    e2r, owners = (1, 0, 1, 0), ((1,), (0,), (1, 0), (0,))  # expert 2: a replica on rank 0
-    layout = {"num_experts": 4, "expert_to_rank": e2r, "owners": lambda self, e: owners[e]}
-    topo = type("T", (), {"experts": type("E", (), layout)()})()
-    assert ExpertPlacement.for_world(4, 2, topo).local_experts(0) == (1, 2, 3)
-    assert ExpertPlacement.for_world(4, 2, topo).local_experts(1) == (0, 2)
-    assert ExpertPlacement.for_world(8, 2, topo).local_experts(0) == (0, 1, 2, 3)  # counts differ
-    with pytest.raises(ConfigError, match="world size"):
-        ExpertPlacement(2, 2, (0, 5))
+    assert expert_layout(5, 2).expert_to_rank == (0, 0, 0, 1, 1)  # the first E % W ranks one more
+    assert expert_layout(2, 4).local_experts(3) == ()  # more ranks than experts
+    # expert 2 has a replica on rank 0
+    placed = build_layout(4, 2, "explicit", explicit_map={0: [1, 3], 1: [0, 2]}, replicas={2: [0]})
+    topo = SimpleNamespace(experts=placed)
+    assert expert_layout(4, 2, topo) is placed
+    assert placed.local_experts(0) == (1, 2, 3) and placed.local_experts(1) == (0, 2)
+    assert expert_layout(8, 2, topo).local_experts(0) == (0, 1, 2, 3)  # counts differ: contiguous
+    with pytest.raises(ConfigError, match="the topology places 4 experts over 2 ranks, the job has 4"):
+        expert_layout(4, 4, topo)
 
 
 def test_random_weights_do_not_depend_on_placement() -> None:
     cfg = named_config("tiny-moe")
     one = random_weights(cfg, None, 0, dtype=torch.float32)
-    p = ExpertPlacement.contiguous(cfg.num_experts, 4)
+    p = expert_layout(cfg.num_experts, 4)
     shard = random_weights(cfg, p, 2, dtype=torch.float32)
     assert shard["layers.1.experts.ids"].tolist() == [4, 5]
     torch.testing.assert_close(shard["layers.1.experts.gate"], one["layers.1.experts.gate"][4:6])
@@ -53,7 +57,7 @@ def test_random_dense_slices_cut_the_dense_ffn() -> None:
     want = random_weights(dense, None, 0, dtype=torch.float32)
     for n in (1, 2, 4):
         cfg = dense.as_dense_moe(n)
-        p = ExpertPlacement.contiguous(n, 2) if n > 1 else None
+        p = expert_layout(n, 2) if n > 1 else None
         shards = [random_weights(cfg, p, r, dtype=torch.float32) for r in ((0, 1) if p else (0,))]
         for i in range(dense.num_layers):
             pre = f"layers.{i}."
@@ -84,7 +88,7 @@ def test_each_rank_reads_only_its_experts(tiny_mixtral: Path) -> None:
     src = SafetensorsDir(tiny_mixtral)
     cfg = ModelConfig.from_hf_dict(src.config_dict())
     full = load_model_weights(src, cfg, None, 0)
-    place = ExpertPlacement.contiguous(4, 2)
+    place = expert_layout(4, 2)
     reads: list[str] = []
     orig = src.read
     src.read = lambda name, *a: reads.append(name) or orig(name, *a)  # type: ignore[method-assign]

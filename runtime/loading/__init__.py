@@ -4,7 +4,7 @@ load_model_weights(source, config, placement, rank, ...)   canonical weights for
 SafetensorsDir(path)      a Hugging Face checkpoint dir (config.json + memory-mapped shards)
 GGUFFile(path)            a GGUF file (the `gguf` package; dequantized on read)
 convert_gguf(path)        GGUF -> cached HF-style dir (fast memory-mapped loads afterwards)
-ExpertPlacement           which rank hosts which expert (from the topology, or contiguous)
+expert_layout(E, W, topo)  which rank hosts which expert (the topology's, or contiguous)
 random_weights(config, ...)  random weights of a named config, local experts only
 Tokenizer                 tokenizer.json (+ chat template) via `tokenizers`
 """

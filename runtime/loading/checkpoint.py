@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.loading.placement import ExpertPlacement
+from zerodram.runtime.loading.placement import expert_layout
 from zerodram.runtime.model.config import ModelConfig
+from zerodram.runtime.topology.placement import ExpertLayout
 
 PACKAGED = "smollm2"
 
@@ -72,7 +73,7 @@ class RankModel:
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
-    placement: ExpertPlacement | None
+    placement: ExpertLayout | None
     tokenizer_dir: Path | None
     name: str
 
@@ -119,7 +120,7 @@ def load_for_rank(
         if config.router_kind == "dense_slices" and (num_experts or world_size) != config.num_experts:
             config = config.as_dense_moe(num_experts or world_size)  # the dense FFN cut again
         placement = (
-            ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
+            expert_layout(config.num_experts, world_size, topology) if config.is_moe else None
         )
         w = random_weights(config, placement, rank, seed=seed, dtype=dtype, device=device)
         return RankModel(config, w, placement, None, f"random:{spec.name}")
@@ -132,7 +133,7 @@ def load_for_rank(
             config = config.as_dense_moe(num_experts or world_size)
         except ConfigError as err:
             raise ConfigError(f"{spec.path}: {err.message}") from None
-    placement = ExpertPlacement.for_world(config.num_experts, world_size, topology) if config.is_moe else None
+    placement = expert_layout(config.num_experts, world_size, topology) if config.is_moe else None
     w = load_model_weights(source, config, placement, rank, dtype=dtype, device=device)
     source.close()
     tok_dir = ckpt if (ckpt / "tokenizer.json").is_file() else None

@@ -14,8 +14,8 @@ import hashlib
 
 import torch
 
-from zerodram.runtime.loading.placement import ExpertPlacement
 from zerodram.runtime.model.config import ModelConfig
+from zerodram.runtime.topology.placement import ExpertLayout
 
 
 def _seed_of(seed: int, name: str) -> int:
@@ -33,7 +33,7 @@ def _randn(
 
 def random_weights(
     config: ModelConfig,
-    placement: ExpertPlacement | None,
+    placement: ExpertLayout | None,
     rank: int,
     *,
     seed: int = 0,

@@ -1,7 +1,7 @@
 """Build one rank's canonical weights from a checkpoint's tensors (Hugging Face names).
 
 Replicated on every rank: embeddings, LM head, norms, attention, routers, shared experts and dense
-FFNs. Sharded: routed experts, read only for the rank's `ExpertPlacement.local_experts(rank)`.
+FFNs. Sharded: routed experts, read only for the rank's `ExpertLayout.local_experts(rank)`.
 
 Expert layouts understood (per MoE layer, prefix `model.layers.{i}.`):
     block_sparse_moe.experts.{e}.w1 / w3 / w2      Mixtral (gate / up / down), one tensor per expert
@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from zerodram.runtime.errors import ConfigError
-from zerodram.runtime.loading.placement import ExpertPlacement
 from zerodram.runtime.loading.sources import TensorSource
 from zerodram.runtime.model.config import ModelConfig
+from zerodram.runtime.topology.placement import ExpertLayout
 
 _ATTN = {
     "q": ("self_attn.q_proj.weight", "QD"),
@@ -70,7 +70,7 @@ _PER_EXPERT = (
 def load_model_weights(
     source: TensorSource,
     config: ModelConfig,
-    placement: ExpertPlacement | None,
+    placement: ExpertLayout | None,
     rank: int,
     *,
     dtype: torch.dtype = torch.float32,

@@ -176,7 +176,7 @@ def every_rank_hosts_an_expert(placement) -> bool:
 def _placement(ctx: object, rank: int, world_size: int, expert_to_rank: tuple[int, ...]):
     """The comm layer's placement: the experts' ranks, and the topology's replicas and ring order
     when the topology places this model's experts (as the weights were loaded:
-    `zerodram.runtime.loading.placement.ExpertPlacement.for_world`)."""
+    `zerodram.runtime.loading.placement.expert_layout`)."""
     from zerodram.runtime.comm import ExpertPlacement as CommPlacement
     from zerodram.runtime.comm import from_topology
 
