@@ -55,7 +55,8 @@ class LaunchPlan:
         env = dict(base, ZERODRAM_TOPOLOGY=self.topology_path, PYTHONSAFEPATH="1")
         # torchrun's own default for several ranks a node, set here so that it does not print a
         # five-line warning about setting it; a value the user set stays
-        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.ranks_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     def command_for_node(self, node_rank: int) -> str:

@@ -23,9 +23,10 @@ JOBS = {
     "serve": "zerodram.launch.serve_cmd:serve_job",
     "demo": "zerodram.launch.demo_cmd:demo_job",
 }
-# name -> "module:function" of the job's option parser, `parse_args(argv) -> Namespace`. `zerodram
-# launch` runs it once before torchrun starts (`check_job`), so that --help or a bad value is
-# answered by one process rather than by every rank (and not after the model loaded).
+# name -> "module:function" of the job's option parser, `parse_args(argv) -> Namespace` with the
+# dashboard's options (`add_dashboard_args`: the output paths checked). `zerodram launch` runs it
+# once before torchrun starts (`check_job`), so that --help or a bad value is answered by one
+# process rather than by every rank (and not after the model loaded).
 PARSERS = {
     "serve": "zerodram.launch.serve_cmd:parse_args",
     "demo": "zerodram.launch.demo_cmd:parse_args",
@@ -33,7 +34,7 @@ PARSERS = {
 
 
 def _load(job: str, table: dict[str, str]) -> Callable:
-    if job not in JOBS:
+    if job not in table:
         raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
     module, fn = table[job].split(":")
     return getattr(importlib.import_module(module), fn)
@@ -47,7 +48,8 @@ def check_job(job: str, argv: list[str], node_rank: int) -> None:
         ConfigError: an unknown job or an unwritable output path. SystemExit: argparse's, for
             --help (0) or a bad option (2).
     """
-    _load(job, JOBS)
+    if job not in JOBS:  # the job's own module is imported on the ranks only (smoke's imports torch)
+        raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
     if job in PARSERS:
         from zerodram.launch.dashboard import check_output_paths
 

@@ -38,6 +38,7 @@ def test_torchruns_environment_names_the_topology_and_keeps_the_users_threads() 
     assert env["ZERODRAM_TOPOLOGY"].endswith("local-cpu-4.yaml") and env["PYTHONSAFEPATH"] == "1"
     assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
     assert plan.environment({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+    assert "OMP_NUM_THREADS" not in plan_launch("h200-1", 0, None, ["smoke"]).environment({})  # one rank a node
 
 
 def test_dry_run_prints_every_node(capsys: pytest.CaptureFixture[str]) -> None:

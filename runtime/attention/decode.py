@@ -268,8 +268,9 @@ class Fp2DecodeAttention:
             )
 
     def check_tables(self, layer: Fp2Layer, batch: DecodeBatch) -> None:
-        """Page ids, lengths and bf16 slots (in range, one sequence each) against the pool
-        (synchronises). Raises KVInputError."""
+        """Page ids, lengths and bf16 slots (in range, one sequence each) against the pool; the
+        levels (finite, increasing, e5m2-exact; int8 multiples for int8 keys); E8M0 scales of the
+        batch's tokens within what the kernels expand (synchronises). Raises KVInputError."""
         P, NP = self.page_size, layer.k_codes.shape[0]
         lens = batch.fp2_len.cpu()
         if int(lens.min()) < 0 or int(lens.max()) > self.max_fp2_tokens:
@@ -327,7 +328,7 @@ class Fp2DecodeAttention:
             v_cap = 8 if self.v_layout == "quad" else 15
             rows = written.to(layer.k_scales.device)
             for side, scales, cap in (("key", layer.k_scales, 15), ("value", layer.v_scales, v_cap)):
-                if (side == "key" and self.key_s8) or not bool(rows.any()):
+                if (side == "key" and self.key_s8) or not bool(written.any()):
                     continue
                 top = int(scales.transpose(1, 2)[rows].max()) - 127  # [N, Hkv, NB] -> one byte
                 if top > cap:

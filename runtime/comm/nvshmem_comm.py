@@ -101,8 +101,8 @@ class NvshmemComm(Communicator):
             timeout_s: device wait bound (default ZERODRAM_EP_DEVICE_TIMEOUT_S, else ctx.timeout_s).
 
         Raises:
-            ConfigError: layout/context mismatch, a layout of other rows than bf16, or a peer that
-                no peer pointer reaches.
+            ConfigError: layout/context mismatch, no GPU, a layout of other rows than bf16, or a
+                peer that no peer pointer reaches.
         """
         from zerodram.runtime.comm import check_layout_matches, resolve_backend
         from zerodram.runtime.envs import ENVS

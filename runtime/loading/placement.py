@@ -4,7 +4,9 @@ topology's type, runtime/topology/placement.py).
 The topology's layout when it places as many experts as the model has, its replicas included (a
 replica's rank loads that expert's weights too, and the dispatch spreads the expert's tokens over
 its owners: runtime/comm/layout.py); otherwise contiguous blocks, the first E % W ranks one expert
-more. A rank may host zero experts when W > E: it still joins every MoE step.
+more. With more ranks than experts (W > E) the first E ranks host one each and the last W - E none
+(on several nodes, the last nodes then host no expert: a topology's `experts` section places them
+otherwise); a rank without experts still joins every MoE step.
 """
 
 from __future__ import annotations

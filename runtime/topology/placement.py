@@ -2,7 +2,8 @@
 
 Policies (``experts.placement``), for E = num_experts over W = world_size ranks:
 
-    contiguous   rank r hosts the r-th block of experts: [r*E/W, (r+1)*E/W)
+    contiguous   rank r hosts the r-th block of experts: [r*E/W, (r+1)*E/W) where W divides E;
+                 otherwise (allow_uneven) the first E % W ranks one expert more
     round_robin  expert e lives on rank e % W
     explicit     ``experts.map`` lists rank -> experts; every expert exactly once
 
