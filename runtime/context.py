@@ -260,6 +260,22 @@ class RankContext:
                 f"{time.monotonic() - t0:.1f}s (limit {self.timeout_s:g}s): {_first_line(err)}"
             ) from err
 
+    def all_gather_object(self, payload: object, what: str) -> list:
+        """Every rank's `payload`, in rank order, through the bounded CPU group; on failure or expiry
+        raises `RankTimeoutError` naming rank and purpose, as `barrier` does."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        t0 = time.monotonic()
+        try:
+            dist.all_gather_object(out, payload, group=self.cpu_group)
+        except RuntimeError as err:
+            raise RankTimeoutError(
+                f"rank {self.rank}/{self.world_size}: exchanging {what} failed after "
+                f"{time.monotonic() - t0:.1f}s (limit {self.timeout_s:g}s): {_first_line(err)}"
+            ) from err
+        return out
+
     def close(self) -> None:
         """Tear down the process group. Idempotent."""
         if self._closed:

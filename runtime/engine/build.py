@@ -162,23 +162,11 @@ def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
         ConfigError: naming each differing field with rank 0's value and the other ranks'.
         RankTimeoutError: the exchange failed or a rank never joined it.
     """
-    world_size = getattr(ctx, "world_size", 1)
-    if world_size == 1:
+    if getattr(ctx, "world_size", 1) == 1:
         return
-    import torch.distributed as dist
+    from zerodram.runtime.errors import ConfigError
 
-    from zerodram.runtime.errors import ConfigError, RankTimeoutError
-
-    settings = digested(settings)
-    gathered: list[Any] = [None] * world_size
-    try:
-        dist.all_gather_object(gathered, settings, group=getattr(ctx, "cpu_group", None))
-    except RuntimeError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-        raise RankTimeoutError(
-            f"rank {ctx.rank}/{world_size}: exchanging the engine settings failed or waited more than "
-            f"{getattr(ctx, 'timeout_s', 0):g}s: {first}"
-        ) from err
+    gathered = ctx.all_gather_object(digested(settings), "the engine settings")
     diffs = []
     for key in sorted(set().union(*gathered)):
         values = [g.get(key, "(unset)") for g in gathered]
