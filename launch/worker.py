@@ -33,10 +33,14 @@ PARSERS = {
 }
 
 
-def _load(job: str, table: dict[str, str]) -> Callable:
-    if job not in table:
+def _require_job(job: str) -> None:
+    if job not in JOBS:
         raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
-    module, fn = table[job].split(":")
+
+
+def _load(target: str) -> Callable:
+    """ "module:function" -> the function."""
+    module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)
 
 
@@ -48,12 +52,11 @@ def check_job(job: str, argv: list[str], node_rank: int) -> None:
         ConfigError: an unknown job or an unwritable output path. SystemExit: argparse's, for
             --help (0) or a bad option (2).
     """
-    if job not in JOBS:  # the job's own module is imported on the ranks only (smoke's imports torch)
-        raise ConfigError(f"unknown job {job!r}; jobs: {', '.join(sorted(JOBS))}")
+    _require_job(job)  # the job's own module is imported on the ranks only (smoke's imports torch)
     if job in PARSERS:
         from zerodram.launch.dashboard import check_output_paths
 
-        args = _load(job, PARSERS)(argv)
+        args = _load(PARSERS[job])(argv)
         if node_rank == 0:
             check_output_paths(args)
 
@@ -64,7 +67,8 @@ def run_job(job: str, argv: list[str]) -> int:
     from zerodram.runtime.envs import ENVS
     from zerodram.runtime.topology import load_topology, resolve_topology_path
 
-    target = _load(job, JOBS)
+    _require_job(job)
+    target = _load(JOBS[job])
     topo_name = ENVS.TOPOLOGY.get()
     topology = load_topology(resolve_topology_path(topo_name)) if topo_name else None
     with RankContext.create(topology) as ctx:
