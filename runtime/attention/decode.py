@@ -315,7 +315,7 @@ class Fp2DecodeAttention:
             used = table[b, : (n + P - 1) // P]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NP):
                 raise KVInputError(f"sequence {b}: page ids {used.tolist()} outside the pool of {NP} pages")
-            if used.numel():
+            if used.numel() and self.scale_dtype == "e8m0":  # the rows whose scales are checked below
                 written[used[:-1].long()] = True
                 written[int(used[-1]), : n - P * (used.numel() - 1)] = True
         if self.scale_dtype == "e8m0":
