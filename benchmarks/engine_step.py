@@ -102,8 +102,7 @@ def _graph_mode(engine) -> str | None:
     return "whole" if all(s.static_attn is not None for s in engine.graphs.steps.values()) else "piecewise"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument(
         "--kv",
@@ -124,6 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", action="store_true",
         help="GPU: after each case's timing, the device activity of 3 steps at the largest batch (torch profiler)",
     )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
     args = p.parse_args(argv)
     ctx = one_process_context()
     cuda = ctx is not None
