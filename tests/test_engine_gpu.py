@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_engine_support import MAX_TOKENS, PROMPTS
 
+from zerodram.runtime.context import RankContext
 from zerodram.runtime.engine import EngineConfig, SamplingParams, SchedulerConfig
 from zerodram.runtime.engine.build import build_engine
 from zerodram.runtime.engine.fp2_decode import Fp2FusedDecode
@@ -218,14 +219,12 @@ def _agree_to_a_near_tie(what: str, got: tuple, want: tuple, rtol: float) -> Non
     print(f"{what}: largest logit error {worst:.4f} of max |logit| (allowed {rtol})")
 
 
-def _pe_on_the_one_gpu(ctx) -> SimpleNamespace:
-    """The rank context of an NVSHMEM PE on cuda:0, from `run_ranks`' gloo rank (several PEs share
-    the one GPU: correct, not fast)."""
+def _pe_on_the_one_gpu(ctx: RankContext) -> RankContext:
+    """The rank context of an NVSHMEM PE on cuda:0, from `run_ranks`' gloo rank: the same process
+    group (its bounded exchanges included), another device (several PEs share the one GPU: correct,
+    not fast). The caller's `ctx` stays the owner: this one is never closed."""
     torch.cuda.set_device(0)
-    return SimpleNamespace(
-        rank=ctx.rank, world_size=ctx.world_size, device=torch.device("cuda", 0), backend=ctx.backend,
-        timeout_s=120.0, topology=None,
-    )  # fmt: skip
+    return RankContext(ctx.env, torch.device("cuda", 0), ctx.backend, topology=None, timeout_s=120.0)
 
 
 def _rank_nvshmem_engine(
