@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from zerodram.runtime.engine.request import RequestError, SamplingParams, TokenEvent
-from zerodram.runtime.errors import RankTimeoutError, ZerodramError
+from zerodram.runtime.errors import ZerodramError
 
 IDLE_NAP_S = 0.005
 
@@ -56,30 +56,16 @@ class ListSource:
 
 
 class _Control:
-    """The per-step CPU exchange (none in a single process)."""
+    """The per-step CPU exchange (none in a single process): the context's bounded all-gather."""
 
     def __init__(self, engine: Any) -> None:
         self.world_size = engine.world_size
-        self.rank = engine.rank
-        ctx = engine.ctx
-        # gloo: the context's group beside NCCL (RankContext.cpu_group), else the default group
-        self.group = getattr(ctx, "cpu_group", None) if self.world_size > 1 else None
-        self.timeout_s = getattr(ctx, "timeout_s", 60.0)
+        self.ctx = engine.ctx
 
     def exchange(self, payload: dict) -> list[dict]:
         if self.world_size == 1:
             return [payload]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, payload, group=self.group)
-        except RuntimeError as err:
-            raise RankTimeoutError(
-                f"rank {self.rank}/{self.world_size}: step control exchange failed or waited more than "
-                f"{self.timeout_s:g}s: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
-            ) from err
-        return out
+        return self.ctx.all_gather_object(payload, "the step's control payload")
 
 
 def run_lockstep(engine: Any, source: RequestSource) -> Iterator[TokenEvent]:
