@@ -151,7 +151,8 @@ def digested(settings: dict[str, str], longest: int = 200) -> dict[str, str]:
 
 
 def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
-    """Raise the same ConfigError on every rank when any rank's settings differ from rank 0's.
+    """Raise the same ConfigError on every rank when any rank's settings differ from rank 0's
+    (several ranks: `build_engine` calls it only then, and `ctx` is their RankContext).
 
     Ranks started with other options (another node's command line, say) would otherwise build
     buffers of other sizes or another wire and exchange garbage, or wait on each other forever.
@@ -162,8 +163,6 @@ def check_ranks_agree(ctx: Any, settings: dict[str, str]) -> None:
         ConfigError: naming each differing field with rank 0's value and the other ranks'.
         RankTimeoutError: the exchange failed or a rank never joined it.
     """
-    if getattr(ctx, "world_size", 1) == 1:
-        return
     from zerodram.runtime.errors import ConfigError
 
     gathered = ctx.all_gather_object(digested(settings), "the engine settings")
