@@ -3,8 +3,11 @@
 Shape legend: T tokens per rank, D hidden, E experts, K top-k.
 
 Both paths run in the same process on the same inputs (uniform random routing, identity experts:
-the combine sends the received rows back). Per case, GPU, with warm-up, an L2 flush before every
-timed iteration, and medians of `--iters`:
+the combine sends the received rows back). `--route gate` routes from a random gate weight [E, D]
+instead: on the NVSHMEM path the fused router (the logits, top-k and weights inside the dispatch
+kernel) is timed beside its baseline in the same case, torch's router (`gate_logits`, `route`) then
+the same dispatch from the precomputed choices (`unfused_*`); the host path routes in torch. Per
+case, GPU, with warm-up, an L2 flush before every timed iteration, and medians of `--iters`:
 
     graph   (NVSHMEM) dispatch captured in one CUDA graph, combine in another; replays alternate in
             the protocol's order, CUDA events around each, all enqueued behind a sleep kernel so
@@ -35,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +46,6 @@ from zerodram.launch.bench_cmd import load_sibling
 from zerodram.runtime.argtypes import int_at_least, int_list
 
 if TYPE_CHECKING:
-    import torch
-
     from zerodram.launch.watchdog import StageWatchdog
     from zerodram.runtime.context import RankContext
 
@@ -65,6 +67,7 @@ SHARED_GPU_GRID = Grid(tokens=(1, 128), hidden=(7168,), experts=(256,), topk=(8,
 CPU_GRID = Grid(tokens=(1, 8, 32), hidden=(256,), experts=(8,), topk=(2,))
 SLEEP_CYCLES = 10_000_000  # ~5 ms at H200 clocks: far longer than enqueuing one case's replays
 FLUSH_BYTES = 256 << 20  # > H200's L2 (50 MB)
+ROUTES = ("given", "gate")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int_list, help="override the top-k list, e.g. 8")
     p.add_argument("--wires", default="bf16,fp8", help="wire formats to run")
     p.add_argument("--no-flush", action="store_true", help="no L2 flush between timed iterations")
+    p.add_argument(
+        "--route",
+        choices=ROUTES,
+        default="given",
+        help="given: the choices precomputed (dispatch alone); gate: routed from a gate weight, by the "
+        "fused router on the NVSHMEM path (timed beside torch's router then the same dispatch) and "
+        "by torch's router on the host path",
+    )
     p.add_argument(
         "--device-timeout",
         type=float,
@@ -272,15 +283,19 @@ class _Bench:
 
     def _communicator(self, path: str, layout: Any, session: Any) -> Any:
         from zerodram.runtime.comm import create_communicator
+        from zerodram.runtime.moe.router import RouterConfig
 
+        router = RouterConfig(layout.num_experts, layout.top_k)  # softmax, renormalised: Mixtral's
         if path == "nvshmem":
             from zerodram.runtime.comm.nvshmem_comm import NvshmemComm
 
-            return NvshmemComm.create(self.ctx, layout, session=session, timeout_s=self.timeout_s)
-        return create_communicator(self.ctx, layout, backend="torch")
+            return NvshmemComm.create(self.ctx, layout, router, session=session, timeout_s=self.timeout_s)
+        return create_communicator(self.ctx, layout, router, backend="torch")
 
     def _case(self, comm: Any, path: str, layout: Any, T: int) -> CaseResult:
         import torch
+
+        from zerodram.runtime.moe.router import gate_logits, route
 
         ctx, args, dev = self.ctx, self.args, self.ctx.device
         E, D, K = layout.num_experts, layout.hidden, layout.top_k
@@ -288,29 +303,47 @@ class _Bench:
         x = torch.randn(T, D, generator=gen).to(dtype=torch.bfloat16, device=dev)  # [T, D]
         idx = torch.rand(T, E, generator=gen).argsort(1)[:, :K].to(dev)  # [T, K] distinct experts
         w = torch.rand(T, K, generator=gen).to(dev)  # [T, K]
-        d_eager, c_eager = self._eager(comm, x, idx, w)
+        gate = (torch.randn(E, D, generator=gen) / D**0.5).to(dtype=torch.bfloat16, device=dev)  # [E, D]
+
+        def given() -> Any:
+            return comm.dispatch(x, topk_idx=idx, topk_weight=w)
+
+        def fused() -> Any:  # NVSHMEM: the router inside the dispatch kernel; host path: torch's
+            return comm.dispatch(x, gate_weight=gate)
+
+        def unfused() -> Any:  # the fused router's baseline: torch's router, then the same dispatch
+            i, wt = route(gate_logits(x, gate), comm.router)
+            return comm.dispatch(x, topk_idx=i, topk_weight=wt)
+
+        send = fused if args.route == "gate" else given
+        d_eager, c_eager = self._eager(comm, send)
         comm.check()
-        d_graph = c_graph = host_bound = stages = None
+        d_graph = c_graph = host_bound = stages = u_graph = u_eager = None
         if path == "nvshmem":
-            d_graph, c_graph, host_bound = self._graph(comm, x, idx, w)
+            d_graph, c_graph, host_bound = self._graph(comm, send)
             comm.check()
+            if args.route == "gate":
+                u_eager = self._eager(comm, unfused)[0]
+                u_graph, _, u_host_bound = self._graph(comm, unfused)
+                host_bound = host_bound or u_host_bound
+                comm.check()
         else:
-            stages = self._host_stages(comm, x, idx, w)
+            stages = self._host_stages(comm, send)
         d_bytes, c_bytes = T * K * layout.msg_bytes, T * K * D * 2
         return CaseResult(
             path, layout.wire, T, D, E, K, ctx.world_size,
             _r2(d_graph), _r2(c_graph), _r2(d_eager), _r2(c_eager), host_bound, stages,
             d_bytes, c_bytes, round(d_bytes / self.link_bw * 1e6, 3), round(c_bytes / self.link_bw * 1e6, 3),
             self.basis, args.iters, args.warmup, self.shared, SHARED_NOTE if self.shared else "",
-            self.device_name, time.strftime("%Y-%m-%d"),
+            self.device_name, time.strftime("%Y-%m-%d"), args.route, _r2(u_graph), _r2(u_eager),
         )  # fmt: skip
 
-    def _eager(self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    def _eager(self, comm: Any, send: Callable[[], Any]) -> tuple[float, float]:
         clock, d_times, c_times = self.clock, [], []
         for i in range(self.args.warmup + self.args.iters):
             clock.idle()
             a = clock.mark()
-            out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+            out = send()
             d = clock.between_ms(a, clock.mark()) * 1e3
             clock.idle()  # idle again: the combine's launches may not hide behind the dispatch
             a = clock.mark()
@@ -321,9 +354,7 @@ class _Bench:
                 c_times.append(c)
         return statistics.median(d_times), statistics.median(c_times)
 
-    def _graph(
-        self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
-    ) -> tuple[float, float, bool]:
+    def _graph(self, comm: Any, send: Callable[[], Any]) -> tuple[float, float, bool]:
         """Dispatch and combine each captured once, replayed alternately (dispatch n+1 of a phase may
         start only after combine n: that is what orders the protocol's flags across ranks)."""
         import torch
@@ -331,7 +362,7 @@ class _Bench:
         torch.cuda.synchronize()
         g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(g_dispatch):
-            out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+            out = send()
         with torch.cuda.graph(g_combine):
             comm.combine(out.recv_x, out)
         for _ in range(self.args.warmup):
@@ -360,16 +391,14 @@ class _Bench:
         del g_dispatch, g_combine, out  # before the communicator's buffers go
         return d, c, host_bound
 
-    def _host_stages(
-        self, comm: Any, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
-    ) -> dict[str, float]:
+    def _host_stages(self, comm: Any, send: Callable[[], Any]) -> dict[str, float]:
         """One more host-path call, its stages marked (CUDA events on a GPU: wall-like, since the
         path waits on the host in the middle)."""
         clock, marks = self.clock, []
         clock.idle()
         start = clock.mark()
         comm.on_stage = lambda name: marks.append((f"dispatch.{name}", clock.mark()))
-        out = comm.dispatch(x, topk_idx=idx, topk_weight=w)
+        out = send()
         comm.on_stage = lambda name: marks.append((f"combine.{name}", clock.mark()))
         comm.combine(out.recv_x, out)
         comm.on_stage = lambda name: None

@@ -39,6 +39,10 @@ class CaseResult:
     note: str
     device: str
     date: str
+    route: str  # "given": precomputed choices; "gate": routed from a gate weight (`--route`)
+    # NVSHMEM with --route gate: the fused router's baseline, torch's router then the same dispatch
+    unfused_dispatch_graph_us: float | None
+    unfused_dispatch_eager_us: float | None
 
 
 def _fmt(v: float | None, width: int) -> str:
@@ -47,15 +51,16 @@ def _fmt(v: float | None, width: int) -> str:
 
 def print_table(results: list[CaseResult], out: Any) -> None:
     head = (
-        f"{'path':8} {'wire':4} {'T':>4} {'D':>5} {'E':>4} {'K':>2} | {'disp graph':>10} {'eager':>8} "
-        f"{'floor':>7} | {'comb graph':>10} {'eager':>8} {'floor':>7} | {'MB':>6}"
+        f"{'path':8} {'route':5} {'wire':4} {'T':>4} {'D':>5} {'E':>4} {'K':>2} | {'disp graph':>10} "
+        f"{'eager':>8} {'unfused':>8} {'floor':>7} | {'comb graph':>10} {'eager':>8} {'floor':>7} | {'MB':>6}"
     )
     print(head, file=out)
     print("-" * len(head), file=out)
     for r in results:
         print(
-            f"{r.path:8} {r.wire:4} {r.tokens:>4} {r.hidden:>5} {r.experts:>4} {r.topk:>2} | "
-            f"{_fmt(r.dispatch_graph_us, 10)} {r.dispatch_eager_us:>8.1f} {r.dispatch_floor_us:>7.2f} | "
+            f"{r.path:8} {r.route:5} {r.wire:4} {r.tokens:>4} {r.hidden:>5} {r.experts:>4} {r.topk:>2} | "
+            f"{_fmt(r.dispatch_graph_us, 10)} {r.dispatch_eager_us:>8.1f} {_fmt(r.unfused_dispatch_graph_us, 8)} "
+            f"{r.dispatch_floor_us:>7.2f} | "
             f"{_fmt(r.combine_graph_us, 10)} {r.combine_eager_us:>8.1f} {r.combine_floor_us:>7.2f} | "
             f"{r.dispatch_bytes / 1e6:>6.2f}",
             file=out,
@@ -98,6 +103,15 @@ def print_summary(results: list[CaseResult], out: Any) -> None:
             e = statistics.median(getattr(r, f + "_eager_us") for r in rs)
             parts.append(f"{f} " + (f"graph {statistics.median(g):.1f} / " if g else "") + f"eager {e:.1f}")
         print(f"median over {len(rs)} {p} cases: " + ", ".join(parts), file=out)
+    fused = [r for r in results if r.unfused_dispatch_graph_us is not None and r.dispatch_graph_us]
+    if fused:  # --route gate on the NVSHMEM path: the fused router against torch's, same dispatch
+        ratio = statistics.median(r.unfused_dispatch_graph_us / r.dispatch_graph_us for r in fused)
+        saved = statistics.median(r.unfused_dispatch_graph_us - r.dispatch_graph_us for r in fused)
+        print(
+            f"fused router + dispatch vs torch's router then dispatch (graph), median over {len(fused)} "
+            f"cases: {ratio:.2f}x, {saved:.1f} us saved",
+            file=out,
+        )
     if any(r.graph_host_bound for r in results):
         print(
             "WARNING: some graph timings were host bound (graph_host_bound): they include host gaps", file=out

@@ -18,7 +18,8 @@ FIELDS = {
     "path", "wire", "tokens", "hidden", "experts", "topk", "world_size", "dispatch_graph_us",
     "combine_graph_us", "dispatch_eager_us", "combine_eager_us", "graph_host_bound", "host_stages_us",
     "dispatch_bytes", "combine_bytes", "dispatch_floor_us", "combine_floor_us", "floor_basis", "iters",
-    "warmup", "shared_gpu", "note", "device", "date",
+    "warmup", "shared_gpu", "note", "device", "date", "route", "unfused_dispatch_graph_us",
+    "unfused_dispatch_eager_us",
 }  # fmt: skip
 STAGES = {f"dispatch.{s}" for s in ("plan", "counts", "rows", "unpack")} | {
     f"combine.{s}" for s in ("gather", "rows", "reduce")
@@ -54,8 +55,19 @@ def test_bench_dispatch_json_on_cpu() -> None:
         assert set(r["host_stages_us"]) == STAGES
         assert r["dispatch_bytes"] == r["tokens"] * 2 * (256 if r["wire"] == "bf16" else 128 + 16)
         assert (r["world_size"], r["shared_gpu"], r["iters"], r["warmup"]) == (1, False, 2, 1)
+        assert r["route"] == "given" and r["unfused_dispatch_graph_us"] is None
     assert "bench dispatch: 4/4" in out.stderr  # progress (plain lines: not a terminal)
     assert "median over 4 torch cases" in out.stderr  # the summary, on stderr with --json
+
+
+def test_bench_dispatch_routes_from_a_gate_weight_on_cpu() -> None:
+    """--route gate on the host path: torch's router inside dispatch (no fused router to compare)."""
+    out = run_bench(["dispatch", *TINY, "--wires", "bf16", "--route", "gate"], env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = _rows(out.stdout)
+    assert [(r["route"], r["tokens"]) for r in rows] == [("gate", 1), ("gate", 4)]
+    assert all(r["dispatch_eager_us"] > 0 and r["unfused_dispatch_eager_us"] is None for r in rows)
+    assert "fused router" not in out.stderr  # the comparison line needs the NVSHMEM path
 
 
 @pytest.mark.slow
@@ -100,3 +112,21 @@ def test_bench_dispatch_graph_and_eager_on_one_gpu() -> None:
             assert r["dispatch_graph_us"] > 0 and r["combine_graph_us"] > 0, r
         else:
             assert r["dispatch_graph_us"] is None and set(r["host_stages_us"]) == STAGES
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_bench_dispatch_times_the_fused_router_beside_torchs() -> None:
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "dispatch.py"), "--json", "--iters", "3", "--warmup", "1",
+        "--tokens", "1,32", "--hidden", "4096", "--experts", "32", "--topk", "2", "--wires", "bf16",
+        "--paths", "nvshmem", "--route", "gate",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=dict(os.environ), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(out.stdout)
+    assert [(r["route"], r["tokens"]) for r in rows] == [("gate", 1), ("gate", 32)]
+    for r in rows:
+        assert r["dispatch_graph_us"] > 0 and r["unfused_dispatch_graph_us"] > 0, r
+        assert r["unfused_dispatch_eager_us"] > 0, r
+    assert "fused router + dispatch vs torch's router then dispatch (graph), median over 2" in out.stderr
