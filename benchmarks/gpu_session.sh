@@ -4,6 +4,7 @@
 #   benchmarks/gpu_session.sh OUTDIR [STEP ...]      STEP in: tests attention profile dispatch dispatch4pe experts decode engine
 #
 # tests: the whole GPU suite (about 5-6 minutes on the H200 as of 2026-12-04; T_TESTS caps it).
+# dispatch: DISPATCH_ARGS adds to its arguments (e.g. `--route gate --paths nvshmem`: the fused router).
 # engine: the engine GPU tests (tests/test_engine_gpu.py: parity, fused FP2 decode, CUDA graphs), then
 # the decode-step timing with and without CUDA graphs, FP2 and BF16 KV (benchmarks/engine_step.py);
 # ENGINE_MODEL=random:smollm2-135m times the same shapes without the packaged weights' package;
@@ -46,7 +47,7 @@ for step in $steps; do
                --section WarpStateStats --section SchedulerStats --section InstructionStats \
                python3 benchmarks/attention.py --batches 8 --lengths 131072 --reps 1 --no-fp16 \
                >"$out/ncu-attention.txt" 2>&1; grep -E "Throughput|Duration|Pipe|Occupancy|Issue|Stall|Warp Cycles|Eligible" "$out/ncu-attention.txt" | head -40 ;;
-    dispatch) timeout ${T_DISPATCH:-240} python3 benchmarks/dispatch.py --iters 20 --warmup 5 --json 2>&1 \
+    dispatch) timeout ${T_DISPATCH:-240} python3 benchmarks/dispatch.py --iters 20 --warmup 5 --json ${DISPATCH_ARGS:-} 2>&1 \
                | tee "$out/dispatch.log" | grep --line-buffered -v '^{' ;;
     dispatch4pe) ZERODRAM_TOPOLOGY=h200-1x4pe timeout ${T_4PE:-200} torchrun --nproc-per-node 4 --master-port 29511 \
                benchmarks/dispatch.py --iters 5 --warmup 2 --device-timeout 60 --json 2>&1 \
