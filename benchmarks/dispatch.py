@@ -4,9 +4,10 @@ Shape legend: T tokens per rank, D hidden, E experts, K top-k.
 
 Both paths run in the same process on the same inputs (uniform random routing, identity experts:
 the combine sends the received rows back). `--route gate` routes from a random gate weight [E, D]
-instead: on the NVSHMEM path the fused router (the logits, top-k and weights inside the dispatch
-kernel) is timed beside its baseline in the same case, torch's router (`gate_logits`, `route`) then
-the same dispatch from the precomputed choices (`unfused_*`); the host path routes in torch. Per
+instead: on the NVSHMEM path the fused router (`gate_logits`' GEMM, then the top-k and weights
+inside the dispatch kernel) is timed beside its baseline in the same case, torch's router
+(`gate_logits`, `route`) then the same dispatch from the precomputed choices (`unfused_*`); the host
+path routes in torch. Per
 case, GPU, with warm-up, an L2 flush before every timed iteration, and medians of `--iters`:
 
     graph   (NVSHMEM) dispatch captured in one CUDA graph, combine in another; replays alternate in

@@ -18,7 +18,7 @@ import torch
 from zerodram.kernels.jit import BuildOptions
 
 THREADS = 256
-ROUTE_TOPK, ROUTE_LOGITS, ROUTE_HIDDEN = 0, 1, 2
+ROUTE_TOPK, ROUTE_LOGITS = 0, 1
 
 # Every source these wrappers load, with the options CI compiles them with.
 SOURCES: dict[str, BuildOptions] = {
@@ -87,14 +87,13 @@ class DispatchKernels:
         send_counter: torch.Tensor,  # [W * Elm] int32
         done_blocks: torch.Tensor,  # [1] int32
         logits: torch.Tensor | None = None,  # [T, E] fp32
-        gate_weight: torch.Tensor | None = None,  # [E, D] bf16
     ) -> None:
         from zerodram.kernels.module import launch, num_sms
 
         T, D = x.shape
         grid = max(1, min(T, 2 * num_sms(x.device.index)))  # >= 1 block even at T == 0: it signals
         args = (
-            _p(x), _p(gate_weight), _p(logits), _p(topk_idx), _p(topk_weight),
+            _p(x), _p(logits), _p(topk_idx), _p(topk_weight),
             _i(T), _i(D), _i(num_experts), _i(topk_idx.shape[1]), _i(route_mode), _i(scoring),
             _i(int(renormalize)),
             _p(a.owner_rank), _p(a.owner_local), _p(a.num_owners), _i(a.owner_rank.shape[1]),

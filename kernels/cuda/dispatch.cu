@@ -3,8 +3,8 @@
 // T tokens, E experts, K top-k (<= 8), D hidden, W world size, Elm max local experts, El local
 // experts, Tm max tokens per rank. Layout of the receive buffers: moe_layout.cuh.
 //
-//   moe_dispatch_send   one block per token (grid-strided): gate logits (from x and the gate weight,
-//                       or given), top-k, weights; a slot per (token, choice) by an atomic on the
+//   moe_dispatch_send   one block per token (grid-strided): top-k of the token's logits and its
+//                       weights (or the choices given); a slot per (token, choice) by an atomic on the
 //                       (dst, local expert) counter; the row stored straight into the owner's slab
 //                       (bf16 or FP8), choices visited in this rank's ring order; the last block to
 //                       finish publishes count + 1 to every (dst, local expert) flag, ring order.
@@ -21,7 +21,6 @@
 
 extern "C" __global__ void moe_dispatch_send(
     const __nv_bfloat16* x,            // [T, D]
-    const __nv_bfloat16* gate_weight,  // [E, D] (ROUTE_HIDDEN) or null
     const float* logits,               // [T, E] (ROUTE_LOGITS) or null
     long long* topk_idx,               // [T, K] in for ROUTE_TOPK, else out
     float* topk_weight,                // [T, K] likewise
@@ -47,9 +46,9 @@ extern "C" __global__ void moe_dispatch_send(
 
   for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     const __nv_bfloat16* x_row = x + static_cast<long long>(t) * hidden;
-    zd::route_token(t, x_row, gate_weight, logits, topk_idx, topk_weight, num_experts, hidden, top_k, route_mode,
-                    scoring, renormalize, owner_rank, owner_local, num_owners, max_owners, ring_pos, W, Elm,
-                    send_counter, s_logits, s_idx, s_w, s_dst, s_le, s_slot, s_order);
+    zd::route_token(t, logits, topk_idx, topk_weight, num_experts, top_k, route_mode, scoring, renormalize,
+                    owner_rank, owner_local, num_owners, max_owners, ring_pos, W, Elm, send_counter, s_logits,
+                    s_idx, s_w, s_dst, s_le, s_slot, s_order);
     for (int j = 0; j < top_k; ++j) {
       const int k = s_order[j], dst = s_dst[k];
       if (dst < 0) continue;

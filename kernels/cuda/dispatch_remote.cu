@@ -29,7 +29,7 @@
 #include <nvshmemx.h>
 
 extern "C" __global__ void moe_dispatch_send_remote(
-    const __nv_bfloat16* x, const __nv_bfloat16* gate_weight, const float* logits, long long* topk_idx,
+    const __nv_bfloat16* x, const float* logits, long long* topk_idx,
     float* topk_weight, int num_tokens, int hidden, int num_experts, int top_k, int route_mode, int scoring,
     int renormalize, const int* owner_rank, const int* owner_local, const int* num_owners, int max_owners,
     const int* ring_pos, const int* ring_peers, const int* num_local_experts,
@@ -45,9 +45,9 @@ extern "C" __global__ void moe_dispatch_send_remote(
   const int W = world_size, Elm = max_local_experts;
   for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     const __nv_bfloat16* x_row = x + static_cast<long long>(t) * hidden;
-    zd::route_token(t, x_row, gate_weight, logits, topk_idx, topk_weight, num_experts, hidden, top_k, route_mode,
-                    scoring, renormalize, owner_rank, owner_local, num_owners, max_owners, ring_pos, W, Elm,
-                    send_counter, s_logits, s_idx, s_w, s_dst, s_le, s_slot, s_order);
+    zd::route_token(t, logits, topk_idx, topk_weight, num_experts, top_k, route_mode, scoring, renormalize,
+                    owner_rank, owner_local, num_owners, max_owners, ring_pos, W, Elm, send_counter, s_logits,
+                    s_idx, s_w, s_dst, s_le, s_slot, s_order);
     for (int j = 0; j < top_k; ++j) {
       const int k = s_order[j], dst = s_dst[k];
       if (dst < 0) continue;

@@ -1,10 +1,12 @@
-// Routing of one token inside the dispatch kernels: gate logits, top-k, weights, owner and slot.
+// Routing of one token inside the dispatch kernels: top-k of its logits, weights, owner and slot.
 //
-// E experts, D hidden, K top-k (<= 8), R max owners per expert (primary + replicas).
+// E experts, K top-k (<= 8), R max owners per expert (primary + replicas).
 // The math of runtime/moe/router.py (fp32 logits; softmax or sigmoid; ties to the lowest id; NaN
-// below -inf; a zero renormalisation sum divides by 1).
+// below -inf; a zero renormalisation sum divides by 1). The logits come in: from a gate weight they
+// are one GEMM before the dispatch (`gate_logits`), which spreads the [E, D] weight over every SM;
+// a block per token computing its own logits here read the whole weight through one SM (at E = 256,
+// D = 7168: 0.2 ms a dispatch on an H100, docs/benchmarks.md, "Dispatch / combine").
 #pragma once
-#include <cuda_bf16.h>
 
 namespace zd {
 
@@ -13,7 +15,6 @@ constexpr int kMaxTopk = 8;
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 constexpr int ROUTE_TOPK = 0;    // topk_idx / topk_weight given
 constexpr int ROUTE_LOGITS = 1;  // fp32 logits [T, E] given
-constexpr int ROUTE_HIDDEN = 2;  // logits = x @ gate_weight^T computed here
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -25,29 +26,6 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
-}
-
-// Gate logits of token t into s_logits[E]: warps split the experts, lanes the channels.
-__device__ void gate_logits(float* s_logits, const __nv_bfloat16* x_row, const __nv_bfloat16* gate_weight,
-                            int num_experts, int hidden) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  for (int e = warp; e < num_experts; e += num_warps) {
-    const __nv_bfloat16* w_row = gate_weight + static_cast<long long>(e) * hidden;
-    float acc = 0.0f;
-    for (int i = lane; i < hidden / 8; i += 32) {
-      const int4 xa = reinterpret_cast<const int4*>(x_row)[i];
-      const int4 wa = reinterpret_cast<const int4*>(w_row)[i];
-      const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xa);
-      const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&wa);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 xf = __bfloat1622float2(xh[j]), wf = __bfloat1622float2(wh[j]);
-        acc = fmaf(xf.x, wf.x, fmaf(xf.y, wf.y, acc));
-      }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) s_logits[e] = acc;
-  }
 }
 
 // Selection keys: the logits mapped onto ints whose order is total, so that every argmax below
@@ -129,15 +107,12 @@ __device__ void select_topk(float* s_logits, int num_experts, int top_k, int sco
 // Route token t and give each choice its slot: fills s_idx/s_w (choices, weights), s_dst/s_le/
 // s_slot (owner rank, its local expert, slot), s_order (choices sorted by ring step, so this rank's
 // writes sweep the ring). Writes topk_idx/topk_weight unless they were the input. Whole block.
-__device__ void route_token(int t, const __nv_bfloat16* x_row, const __nv_bfloat16* gate_weight, const float* logits,
-                            long long* topk_idx, float* topk_weight, int num_experts, int hidden, int top_k,
-                            int route_mode, int scoring, int renormalize, const int* owner_rank,
+__device__ void route_token(int t, const float* logits, long long* topk_idx, float* topk_weight, int num_experts,
+                            int top_k, int route_mode, int scoring, int renormalize, const int* owner_rank,
                             const int* owner_local, const int* num_owners, int max_owners, const int* ring_pos,
                             int world_size, int max_local_experts, int* send_counter, float* s_logits,
                             long long* s_idx, float* s_w, int* s_dst, int* s_le, int* s_slot, int* s_order) {
-  if (route_mode == ROUTE_HIDDEN) {
-    gate_logits(s_logits, x_row, gate_weight, num_experts, hidden);
-  } else if (route_mode == ROUTE_LOGITS) {
+  if (route_mode == ROUTE_LOGITS) {
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
       s_logits[e] = logits[static_cast<long long>(t) * num_experts + e];
   }

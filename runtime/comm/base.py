@@ -90,7 +90,7 @@ def _check_topk(idx: torch.Tensor, weight: torch.Tensor | None, T: int, K: int, 
 @dataclass(frozen=True)
 class RouteInput:
     """Exactly one way of routing: precomputed (topk_idx, topk_weight), fp32 logits [T, E], or the
-    gate weight [E, D] (the fused router computes the logits from the hidden states)."""
+    gate weight [E, D] (the logits are then computed from the hidden states: `gate_logits`)."""
 
     topk_idx: torch.Tensor | None = None
     topk_weight: torch.Tensor | None = None

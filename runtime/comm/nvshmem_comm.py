@@ -3,7 +3,8 @@
 Shape legend: T tokens, D hidden, K top-k, W world size, El local experts, Elm max local
 experts, Tm max tokens per rank, N = Elm * W * Tm packed-row capacity.
 
-Per call: dispatch = send (fused router, rows stored into owners' slabs through peer pointers,
+Per call: dispatch = [gate logits: one GEMM, when routing from the gate weight] + send (fused
+router: each token's top-k and weights, its rows stored into owners' slabs through peer pointers,
 count flags) + wait (bounded) + pack; combine = send back + wait (bounded) + reduce. Six launches,
 no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of every buffer alternate
 between consecutive calls, so a caller may dispatch again before it has combined; an owner that
@@ -27,12 +28,12 @@ from typing import Any
 
 import torch
 
-from zerodram.kernels.dispatch import ROUTE_HIDDEN, ROUTE_LOGITS, ROUTE_TOPK, DispatchKernels, SendArgs
+from zerodram.kernels.dispatch import ROUTE_LOGITS, ROUTE_TOPK, DispatchKernels, SendArgs
 from zerodram.runtime.comm.base import Communicator, DispatchOutput, RouteInput
 from zerodram.runtime.comm.layout import EpLayout
 from zerodram.runtime.comm.nvshmem_session import NvshmemSession
 from zerodram.runtime.errors import ConfigError, RankTimeoutError
-from zerodram.runtime.moe.router import RouterConfig
+from zerodram.runtime.moe.router import RouterConfig, gate_logits
 
 _ALIGN = 256
 
@@ -222,7 +223,7 @@ class NvshmemComm(Communicator):
             self._phase ^= 1
         T, K, dev = x.shape[0], lay.top_k, x.device
         x = x.contiguous()
-        logits = gate = None
+        logits = None
         if not rin.needs_router:
             mode = ROUTE_TOPK
             topk_idx = rin.topk_idx.to(device=dev, dtype=torch.int64).contiguous()
@@ -230,15 +231,16 @@ class NvshmemComm(Communicator):
         else:
             # the fused router's outputs: per-phase buffers, valid as long as this phase's recv_x
             topk_idx, topk_weight = self._recv[phase]["topk_idx"][:T], self._recv[phase]["topk_weight"][:T]
+            mode = ROUTE_LOGITS
             if rin.logits is not None:
-                mode, logits = ROUTE_LOGITS, rin.logits.float().contiguous()
-            else:
-                mode, gate = ROUTE_HIDDEN, rin.gate_weight.to(torch.bfloat16).contiguous()
+                logits = rin.logits.float().contiguous()
+            else:  # one GEMM over every SM; the send kernel then takes each token's top-k
+                logits = gate_logits(x, rin.gate_weight.to(torch.bfloat16))
         router = self.router or RouterConfig(lay.num_experts, K)
         r = self._recv[phase]
         self.kernels.send(
             a, x, topk_idx, topk_weight, mode, router.scoring_id, router.renormalize, lay.num_experts,
-            self.peer_base[phase], self.send_counter, self.done_send, logits=logits, gate_weight=gate,
+            self.peer_base[phase], self.send_counter, self.done_send, logits=logits,
         )  # fmt: skip
         self.kernels.wait(
             self.my_base[phase], self.sym.off_flag, lay.world_size, lay.num_local_experts,

@@ -2,9 +2,10 @@
 
 Shape legend: T tokens, D hidden, E experts, K top-k.
 
-The math the fused CUDA router (`kernels/cuda/dispatch.cu`) reproduces, in fp32:
+The math of the fused CUDA router (the top-k inside `kernels/cuda/dispatch.cu`, after `gate_logits`),
+in fp32:
 
-    logits   x @ gate_weight.T, accumulated in fp32                      # [T, E]
+    logits   x @ gate_weight.T, accumulated in fp32 (`gate_logits`)      # [T, E]
     scores   softmax(logits) over E, or sigmoid(logits)                   # [T, E]
     choice   the K largest logits, largest first (ties: lowest expert id) # [T, K]
     weight   the chosen scores, divided by their sum when `renormalize`   # [T, K]
@@ -59,7 +60,15 @@ class RouterConfig:
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x [T, D], gate_weight [E, D] -> logits [T, E] fp32."""
+    """x [T, D], gate_weight [E, D] -> logits [T, E] fp32: the exact products summed in fp32.
+
+    bf16 operands on a GPU take one GEMM with an fp32 output (cuBLAS), which reads the operands as
+    they are: the fp32 copies it saves were the larger part of this at decode sizes (the [E, D]
+    weight's copy is 7 MB at E = 256, D = 7168). Elsewhere the operands are widened first. The two
+    sum in different orders, so they agree to fp32 rounding, not bit for bit.
+    """
+    if x.is_cuda and x.dtype == gate_weight.dtype == torch.bfloat16:
+        return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
     return x.float() @ gate_weight.float().t()
 
 
