@@ -308,3 +308,17 @@ def test_fused_router_edge_rows_match_reference(world_size: int) -> None:
     too (NaN where it is NaN), and the rows go through dispatch and combine."""
     results = run_ranks(_router_edge_rows, world_size, timeout_s=300, rank_timeout_s=120, device="cpu")
     assert results == [6] * world_size
+
+
+@pytest.mark.parametrize("T", [1, 7, 128])
+def test_gate_logits_gemm_matches_the_widened_product(T: int) -> None:
+    """bf16 operands on the GPU: one GEMM with fp32 output. Against the products summed in fp64,
+    within fp32 rounding of sums of D terms (|logit| ~ 1 here); fresh random data per size."""
+    g = torch.Generator().manual_seed(T)
+    E, Dh = 256, 7168
+    x = torch.randn(T, Dh, generator=g).bfloat16()  # [T, D]
+    w = (torch.randn(E, Dh, generator=g) / Dh**0.5).bfloat16()  # [E, D]
+    got = gate_logits(x.cuda(), w.cuda())  # [T, E]
+    want = x.double() @ w.double().t()  # [T, E]
+    assert got.dtype == torch.float32 and got.shape == (T, E)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
