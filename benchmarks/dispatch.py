@@ -7,8 +7,8 @@ the combine sends the received rows back). `--route gate` routes from a random g
 instead: on the NVSHMEM path the fused router (`gate_logits`' GEMM, then the top-k and weights
 inside the dispatch kernel) is timed beside its baseline in the same case, torch's router
 (`gate_logits`, `route`) then the same dispatch from the precomputed choices (`unfused_*`); the host
-path routes in torch. Per
-case, GPU, with warm-up, an L2 flush before every timed iteration, and medians of `--iters`:
+path routes in torch. Per case, GPU, with warm-up, an L2 flush before every timed iteration, and
+medians of `--iters`:
 
     graph   (NVSHMEM) dispatch captured in one CUDA graph, combine in another; replays alternate in
             the protocol's order, CUDA events around each, all enqueued behind a sleep kernel so
@@ -309,7 +309,7 @@ class _Bench:
         def given() -> Any:
             return comm.dispatch(x, topk_idx=idx, topk_weight=w)
 
-        def fused() -> Any:  # NVSHMEM: the router inside the dispatch kernel; host path: torch's
+        def fused() -> Any:  # NVSHMEM: the logits' GEMM, then the top-k in the send kernel; host: torch's
             return comm.dispatch(x, gate_weight=gate)
 
         def unfused() -> Any:  # the fused router's baseline: torch's router, then the same dispatch

@@ -63,9 +63,9 @@ def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """x [T, D], gate_weight [E, D] -> logits [T, E] fp32: the exact products summed in fp32.
 
     bf16 operands on a GPU take one GEMM with an fp32 output (cuBLAS), which reads the operands as
-    they are: the fp32 copies it saves were the larger part of this at decode sizes (the [E, D]
-    weight's copy is 7 MB at E = 256, D = 7168). Elsewhere the operands are widened first. The two
-    sum in different orders, so they agree to fp32 rounding, not bit for bit.
+    they are, with no fp32 copies (the [E, D] weight's would be 7 MB at E = 256, D = 7168).
+    Elsewhere the operands are widened first. The two sum in different orders, so they agree to
+    fp32 rounding, not bit for bit.
     """
     if x.is_cuda and x.dtype == gate_weight.dtype == torch.bfloat16:
         return torch.mm(x, gate_weight.t(), out_dtype=torch.float32)
