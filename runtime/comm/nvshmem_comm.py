@@ -6,8 +6,9 @@ experts, Tm max tokens per rank, N = Elm * W * Tm packed-row capacity.
 Per call: dispatch = [gate logits: one GEMM, when routing from the gate weight] + send (fused
 router: each token's top-k and weights, its rows stored into owners' slabs through peer pointers,
 count flags) + wait (bounded) + pack; combine = send back + wait (bounded) + reduce. Six launches
-(seven with the GEMM), no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of every buffer alternate
-between consecutive calls, so a caller may dispatch again before it has combined; an owner that
+(seven with the GEMM), no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of
+every buffer alternate between consecutive calls, so a caller may dispatch again before it has
+combined; an owner that
 makes one call per step pins one phase (`pin_phase`: what the engine does, for its graphs). On a
 session made with `one_phase` (the engine's), every communicator is pinned from the start and all
 of them share one phase of buffers: the argument of `pin_phase` holds across layers as across
