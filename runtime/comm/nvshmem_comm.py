@@ -8,12 +8,12 @@ router: each token's top-k and weights, its rows stored into owners' slabs throu
 count flags) + wait (bounded) + pack; combine = send back + wait (bounded) + reduce. Six launches
 (seven with the GEMM), no host sync, worst-case sizes: capturable in a CUDA graph. Two phases of
 every buffer alternate between consecutive calls, so a caller may dispatch again before it has
-combined; an owner that
-makes one call per step pins one phase (`pin_phase`: what the engine does, for its graphs). On a
-session made with `one_phase` (the engine's), every communicator is pinned from the start and all
-of them share one phase of buffers: the argument of `pin_phase` holds across layers as across
-steps, and the symmetric heap no longer grows with the layer count (a DeepSeek-V3-like layer at
-EP 8 and 128 tokens per rank takes 462 MiB a phase). Not where a rank hosts no expert (`pin_phase`).
+combined; an owner that makes one call per step pins one phase (`pin_phase`: what the engine does,
+for its graphs). On a session made with `one_phase` (the engine's), every communicator is pinned
+from the start and all of them share one phase of buffers: the argument of `pin_phase` holds across
+layers as across steps, and the symmetric heap no longer grows with the layer count (a
+DeepSeek-V3-like layer at EP 8 and 128 tokens per rank takes 462 MiB a phase). Not where a rank
+hosts no expert (`pin_phase`).
 
 Peers are reached by peer pointers (same GPU, NVLink domain). Peers on other nodes need the
 put-with-signal kernel (`kernels/cuda/dispatch_remote.cu`), which needs the NVSHMEM device library
