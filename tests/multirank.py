@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -90,7 +91,10 @@ def _child(
             topology, device=kwargs.pop("device", None), timeout_s=kwargs.pop("timeout_s", None)
         )
         value = fn(ctx, *args, **kwargs)
-        results.put((rank, True, value))
+        # Pickled here, by value: through the queue itself a CPU tensor travels as a handle to this
+        # process's shared memory, which the parent must open before this process exits (a loaded
+        # machine lost that race: FileNotFoundError in the parent, CI of stop 65).
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException as err:  # report everything, including SystemExit from a worker
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
@@ -145,7 +149,7 @@ def run_ranks(
                 )
             try:
                 rank, ok, value = results.get(timeout=min(left, 0.5))
-                got[rank] = (ok, value)
+                got[rank] = (ok, pickle.loads(value) if ok else value)
                 if not ok:
                     break  # fail fast: the first rank to raise is the root cause, usually
             except queue.Empty:

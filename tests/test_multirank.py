@@ -22,6 +22,10 @@ def _sum_ranks(ctx: RankContext) -> tuple[int, int, float]:
     return ctx.rank, ctx.world_size, x.item()
 
 
+def _a_tensor(ctx: RankContext) -> torch.Tensor:
+    return torch.arange(4.0) + ctx.rank  # the rank's process exits right after returning it
+
+
 def _raise_on_rank_one(ctx: RankContext) -> None:
     if ctx.rank == 1:
         raise ValueError("rank one is unhappy")
@@ -57,6 +61,14 @@ def _leave_before_the_barrier_on_rank_one(ctx: RankContext) -> str:
 def test_results_come_back_in_rank_order(capfd: pytest.CaptureFixture[str]) -> None:
     assert run_ranks(_sum_ranks, 3) == [(0, 3, 3.0), (1, 3, 3.0), (2, 3, 3.0)]
     assert "[rank 2] hello from the worker" in capfd.readouterr().out
+
+
+def test_tensors_come_back_by_value() -> None:
+    """Not as handles to the rank's shared memory, which vanish when its process exits before the
+    parent has opened them (a race a loaded CI machine lost)."""
+    got = run_ranks(_a_tensor, 2)
+    assert [t.tolist() for t in got] == [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]]
+    assert not any(t.is_shared() for t in got)
 
 
 def test_a_rank_exception_names_the_rank() -> None:
