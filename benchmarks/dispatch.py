@@ -304,7 +304,9 @@ class _Bench:
         x = torch.randn(T, D, generator=gen).to(dtype=torch.bfloat16, device=dev)  # [T, D]
         idx = torch.rand(T, E, generator=gen).argsort(1)[:, :K].to(dev)  # [T, K] distinct experts
         w = torch.rand(T, K, generator=gen).to(dev)  # [T, K]
-        gate = (torch.randn(E, D, generator=gen) / D**0.5).to(dtype=torch.bfloat16, device=dev)  # [E, D]
+        gate = None  # [E, D], drawn after x, idx, w (so those stay the same under either route)
+        if args.route == "gate":
+            gate = (torch.randn(E, D, generator=gen) / D**0.5).to(dtype=torch.bfloat16, device=dev)
 
         def given() -> Any:
             return comm.dispatch(x, topk_idx=idx, topk_weight=w)
